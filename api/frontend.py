@@ -1,0 +1,164 @@
+"""The api worker's side of the wire: submits to {prefix}:requests, reads its
+own {prefix}:replies:{frontend_id}, and hands each request its deltas in
+order, exactly once. One `RequestState` per in-flight request."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pipeline.config import ApiConfig, RedisConfig
+from pipeline.errors import Overloaded, error_from_code
+from pipeline.messages import (
+    Cancel,
+    Delta,
+    Failed,
+    FrontendGone,
+    Sampling,
+    Submit,
+    replies_decoder,
+)
+from pipeline.streams import Keys, StreamClient
+
+log = logging.getLogger("pipeline.api")
+
+
+@dataclass
+class RequestState:
+    submit: Submit
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    output_ids: list[int] = field(default_factory=list)
+    early: dict[int, Delta] = field(default_factory=dict)  # deltas that arrived before a gap filled
+    finished: bool = False
+
+    def accept(self, delta: Delta) -> list[Delta]:
+        """Deltas now deliverable, in order; duplicates and stale attempts dropped."""
+        if delta.attempt != self.submit.attempt or delta.offset < len(self.output_ids):
+            return []
+        self.early[delta.offset] = delta
+        ready = []
+        while (nxt := self.early.pop(len(self.output_ids), None)) is not None:
+            self.output_ids.extend(nxt.token_ids)
+            ready.append(nxt)
+            if nxt.finish is not None:
+                self.finished = True
+                self.early.clear()
+                break
+        return ready
+
+
+class Frontend:
+    def __init__(self, redis_config: RedisConfig, config: ApiConfig):
+        self.config = config
+        self.redis_config = redis_config
+        self.keys = Keys(redis_config.prefix)
+        self.frontend_id = config.frontend_id or uuid.uuid4().hex[:12]
+        self.reply_to = self.keys.replies(self.frontend_id)
+        self.client = StreamClient(redis_config.url, block_ms=redis_config.read_block_ms)
+        self.states: dict[str, RequestState] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        # the reply stream exists before any request names it: detokenizers
+        # write with NOMKSTREAM, so a dead frontend's stream is never recreated
+        await self.client.redis.xadd(self.reply_to, {"hello": self.frontend_id})
+        await self._refresh_liveness()
+        self._tasks = [
+            asyncio.create_task(self._read_replies(), name="replies"),
+            asyncio.create_task(self._heartbeat(), name="heartbeat"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        with contextlib.suppress(Exception):
+            await self.client.add(self.keys.control, FrontendGone(self.reply_to))
+            await self.client.redis.delete(self.reply_to, self.keys.alive("api", self.frontend_id))
+        await self.client.close()
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: Sampling, request_id: str | None = None
+    ) -> AsyncIterator[Delta]:
+        """Submit one request and yield its deltas; raises the request's error."""
+        if len(self.states) >= self.config.max_queued_requests:
+            raise Overloaded("too many requests in flight on this frontend; retry shortly")
+        request_id = request_id or uuid.uuid4().hex
+        deadline_ms = int((time.time() + self.config.request_timeout_s) * 1000)
+        submit = Submit(request_id=request_id, reply_to=self.reply_to, prompt_ids=prompt_ids,
+                        sampling=sampling, deadline_ms=deadline_ms)
+        state = RequestState(submit)
+        self.states[request_id] = state
+        try:
+            await self.client.add(self.keys.requests, submit)
+            while True:
+                event = await state.events.get()
+                if isinstance(event, Failed):
+                    raise error_from_code(event.code, event.detail)
+                yield event
+                if event.finish is not None:
+                    return
+        finally:
+            del self.states[request_id]
+            if not state.finished:
+                with contextlib.suppress(Exception):
+                    await self.client.add(self.keys.control, Cancel([request_id]))
+
+    async def _read_replies(self) -> None:
+        reader = self.client.reader()
+        last_id = "0-0"
+        try:
+            while True:
+                try:
+                    batches = await reader.read({self.reply_to: last_id}, count=256)
+                except Exception as error:
+                    log.warning("reply read failed (%s); retrying", error)
+                    await asyncio.sleep(0.5)
+                    continue
+                for _stream, entries in batches:
+                    for entry_id, raw in entries:
+                        last_id = entry_id
+                        if raw:
+                            self._dispatch(raw)
+        finally:
+            await reader.close()
+
+    def _dispatch(self, raw: bytes) -> None:
+        try:
+            batch = replies_decoder.decode(raw)
+        except Exception as error:
+            log.error("undecodable reply entry dropped: %s", error)
+            return
+        for failure in batch.failures:
+            state = self.states.get(failure.request_id)
+            if state is not None and failure.attempt == state.submit.attempt:
+                state.finished = True
+                state.events.put_nowait(failure)
+        for delta in batch.deltas:
+            state = self.states.get(delta.request_id)
+            if state is not None:
+                for ready in state.accept(delta):
+                    state.events.put_nowait(ready)
+
+    async def _refresh_liveness(self) -> None:
+        ttl_s = self.redis_config.alive_ttl_s
+        info = {"role": "api", "id": self.frontend_id, "in_flight": len(self.states),
+                "reply_to": self.reply_to}
+        await self.client.heartbeat(self.keys.alive("api", self.frontend_id), info, ttl_s)
+        # a dead frontend's reply stream expires by itself
+        await self.client.redis.pexpire(self.reply_to, int(ttl_s * 1000) * 6)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.redis_config.heartbeat_s)
+            try:
+                await self._refresh_liveness()
+            except Exception as error:
+                log.warning("heartbeat failed: %s", error)

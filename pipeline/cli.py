@@ -1,0 +1,171 @@
+"""The `pipeline` command: the only place that reads argv and the environment.
+
+    pipeline serve                  every role + an embedded Redis on one machine
+    pipeline worker --role ROLE     exactly one role, against any Redis
+    pipeline status                 who is alive, and their load
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+from dataclasses import replace
+from typing import Annotated
+
+import typer
+
+from pipeline.config import ApiConfig, Config, RedisConfig, SchedulerConfig
+from pipeline.models import DEFAULT_MODEL
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="An LLM serving tier whose every hop is a Redis stream.")
+
+
+class Role(enum.StrEnum):
+    api = "api"
+    scheduler = "scheduler"
+    detokenizer = "detokenizer"
+
+
+def _opt(envvar: str, help: str, **kwargs) -> typer.models.OptionInfo:
+    return typer.Option(envvar=f"PIPELINE_{envvar}", help=help, **kwargs)
+
+
+RedisUrl = Annotated[str | None, _opt("REDIS_URL", "redis://, rediss:// or unix:// URL, with auth "
+                                      "(redis://user:pass@host:6379/0).")]
+Prefix = Annotated[str, _opt("PREFIX", "Key prefix shared by every worker of one tier.")]
+Model = Annotated[str, _opt("MODEL", f"A local HF model directory, or {DEFAULT_MODEL}.")]
+Host = Annotated[str, _opt("HOST", "Address the api listens on.")]
+Port = Annotated[int, _opt("PORT", "Port the api listens on.")]
+ApiKey = Annotated[str | None, _opt("API_KEY", "Require 'Authorization: Bearer KEY'.")]
+MaxRunning = Annotated[int, _opt("MAX_RUNNING_REQUESTS", "Requests batched per scheduler.")]
+MaxBatchTokens = Annotated[int, _opt("MAX_BATCH_TOKENS", "Tokens per step (chunked prefill).")]
+KvCacheMb = Annotated[int, _opt("KV_CACHE_MB", "KV cache memory budget per scheduler, MiB.")]
+Dtype = Annotated[str, _opt("DTYPE", "auto | bfloat16 | float32 | float16.")]
+Device = Annotated[str, _opt("DEVICE", "auto | cpu | cuda.")]
+Threads = Annotated[int | None, _opt("NUM_THREADS", "torch threads per scheduler.")]
+Timeout = Annotated[float, _opt("REQUEST_TIMEOUT", "Seconds before a request is abandoned.")]
+MaxQueued = Annotated[int, _opt("MAX_QUEUED_REQUESTS", "In-flight requests per api before 503.")]
+WorkerId = Annotated[str | None, typer.Option("--id", envvar="PIPELINE_WORKER_ID",
+                                             help="Stable worker id (default: random).")]
+LogLevel = Annotated[str, _opt("LOG_LEVEL", "debug | info | warning | error.")]
+
+
+def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: int,
+                 api_key: str | None, max_running_requests: int, max_batch_tokens: int,
+                 kv_cache_mb: int, dtype: str, device: str, num_threads: int | None,
+                 request_timeout: float, max_queued_requests: int) -> Config:
+    return Config(
+        model=model,
+        redis=RedisConfig(url=redis_url, prefix=prefix),
+        api=ApiConfig(host=host, port=port, api_key=api_key, request_timeout_s=request_timeout,
+                      max_queued_requests=max_queued_requests),
+        scheduler=SchedulerConfig(max_running_requests=max_running_requests,
+                                  max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb,
+                                  dtype=dtype, device=device, num_threads=num_threads),
+    )
+
+
+def child_env(config: Config, redis_url: str, log_level: str, api_workers: int) -> dict[str, str]:
+    """The PIPELINE_* variables that make `pipeline worker` rebuild `config`."""
+    values = {
+        "REDIS_URL": redis_url, "PREFIX": config.redis.prefix, "MODEL": config.model,
+        "HOST": config.api.host, "PORT": config.api.port, "API_KEY": config.api.api_key,
+        "API_WORKERS": api_workers,
+        "MAX_RUNNING_REQUESTS": config.scheduler.max_running_requests,
+        "MAX_BATCH_TOKENS": config.scheduler.max_batch_tokens,
+        "KV_CACHE_MB": config.scheduler.kv_cache_mb, "DTYPE": config.scheduler.dtype,
+        "DEVICE": config.scheduler.device, "NUM_THREADS": config.scheduler.num_threads,
+        "REQUEST_TIMEOUT": config.api.request_timeout_s,
+        "MAX_QUEUED_REQUESTS": config.api.max_queued_requests, "LOG_LEVEL": log_level,
+    }
+    return {f"PIPELINE_{name}": str(value) for name, value in values.items() if value is not None}
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
+
+
+@app.command()
+def serve(
+    port: Port = 8000, host: Host = "127.0.0.1", redis_url: RedisUrl = None,
+    prefix: Prefix = "pipeline", model: Model = DEFAULT_MODEL,
+    api_workers: Annotated[int, _opt("API_WORKERS", "api worker processes.")] = 1,
+    schedulers: Annotated[int, _opt("SCHEDULERS", "Scheduler processes.")] = 1,
+    detokenizers: Annotated[int, _opt("DETOKENIZERS", "Detokenizer processes.")] = 1,
+    api_key: ApiKey = None, max_running_requests: MaxRunning = 64,
+    max_batch_tokens: MaxBatchTokens = 512, kv_cache_mb: KvCacheMb = 512, dtype: Dtype = "auto",
+    device: Device = "auto", num_threads: Threads = None, request_timeout: Timeout = 600.0,
+    max_queued_requests: MaxQueued = 1024, log_level: LogLevel = "info",
+) -> None:
+    """Run every role as its own process, plus an embedded Redis when no URL is given."""
+    from pipeline.supervisor import serve_forever
+
+    _logging(log_level)
+    config = build_config(
+        redis_url=redis_url or "", prefix=prefix, model=model, host=host, port=port,
+        api_key=api_key, max_running_requests=max_running_requests,
+        max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb, dtype=dtype, device=device,
+        num_threads=num_threads, request_timeout=request_timeout,
+        max_queued_requests=max_queued_requests)
+    counts = {"api": api_workers, "scheduler": schedulers, "detokenizer": detokenizers}
+    raise typer.Exit(serve_forever(config, counts, lambda url: child_env(config, url, log_level,
+                                                                         api_workers)))
+
+
+@app.command()
+def worker(
+    role: Annotated[Role, typer.Option(envvar="PIPELINE_ROLE", help="Which role to run.")],
+    redis_url: RedisUrl = "redis://127.0.0.1:6379/0", prefix: Prefix = "pipeline",
+    model: Model = DEFAULT_MODEL, port: Port = 8000, host: Host = "127.0.0.1",
+    worker_id: WorkerId = None,
+    api_workers: Annotated[int, _opt("API_WORKERS", "uvicorn worker processes (api).")] = 1,
+    api_key: ApiKey = None, max_running_requests: MaxRunning = 64,
+    max_batch_tokens: MaxBatchTokens = 512, kv_cache_mb: KvCacheMb = 512, dtype: Dtype = "auto",
+    device: Device = "auto", num_threads: Threads = None, request_timeout: Timeout = 600.0,
+    max_queued_requests: MaxQueued = 1024, log_level: LogLevel = "info",
+) -> None:
+    """Run exactly one role against a shared Redis."""
+    from pipeline.roles import run_role
+
+    _logging(log_level)
+    config = build_config(
+        redis_url=redis_url or "redis://127.0.0.1:6379/0", prefix=prefix, model=model,
+        host=host, port=port, api_key=api_key, max_running_requests=max_running_requests,
+        max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb, dtype=dtype, device=device,
+        num_threads=num_threads, request_timeout=request_timeout,
+        max_queued_requests=max_queued_requests)
+    config = _with_worker_id(config, role, worker_id)
+    run_role(role.value, config, api_workers=api_workers)
+
+
+def _with_worker_id(config: Config, role: Role, worker_id: str | None) -> Config:
+    if worker_id is None:
+        return config
+    match role:
+        case Role.api:
+            return replace(config, api=replace(config.api, frontend_id=worker_id))
+        case Role.scheduler:
+            return replace(config, scheduler=replace(config.scheduler, scheduler_id=worker_id))
+        case Role.detokenizer:
+            return replace(config, detokenizer=replace(config.detokenizer,
+                                                       detokenizer_id=worker_id))
+
+
+@app.command()
+def status(redis_url: RedisUrl = "redis://127.0.0.1:6379/0", prefix: Prefix = "pipeline") -> None:
+    """Show the live workers of a tier and their load."""
+    from pipeline.status import print_status
+
+    raise typer.Exit(print_status(redis_url or "redis://127.0.0.1:6379/0", prefix))
+
+
+def main() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    app()
+
+
+if __name__ == "__main__":
+    main()

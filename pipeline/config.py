@@ -1,0 +1,58 @@
+"""The one frozen settings object, a section per role. Built only by
+`pipeline.cli` from options and `PIPELINE_*` variables; copied per process
+with `dataclasses.replace`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.models import DEFAULT_MODEL
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    url: str = "redis://127.0.0.1:6379/0"
+    prefix: str = "pipeline"
+    heartbeat_s: float = 1.0  # liveness keys refreshed this often
+    alive_ttl_s: float = 5.0  # a worker silent this long is dead
+    read_block_ms: int = 1000  # keep well under the socket timeout (redis-py 8 pitfall)
+    max_stream_len: int = 100_000  # approximate trim target for streams nobody pends on
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    frontend_id: str | None = None  # None: a fresh random id per process
+    api_key: str | None = None
+    max_queued_requests: int = 1024  # unadmitted requests before 503
+    request_timeout_s: float = 600.0
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_n: int = 8
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    scheduler_id: str | None = None
+    max_running_requests: int = 64
+    max_batch_tokens: int = 512  # per-step token budget: chunked prefill
+    kv_cache_mb: int = 512  # KV memory budget; sets the number of blocks
+    block_size: int = 16
+    dtype: str = "auto"  # auto | bfloat16 | float32 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+    num_threads: int | None = None  # torch intra-op threads; None: torch's default
+
+
+@dataclass(frozen=True)
+class DetokenizerConfig:
+    detokenizer_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str = DEFAULT_MODEL
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    detokenizer: DetokenizerConfig = field(default_factory=DetokenizerConfig)

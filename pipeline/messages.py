@@ -1,0 +1,152 @@
+"""Every struct that crosses Redis, grouped by the stream that carries it.
+
+Wire contract: fields are only ever added at the end, with defaults, so a
+worker running the previous version still decodes what a newer one writes.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from msgspec import Struct
+
+
+class Sampling(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How to pick tokens and when to stop; the api validates, workers trust."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: int | None = None  # None: none; k: chosen token's logprob and k alternatives
+    skip_special_tokens: bool = True
+
+
+# ---- {prefix}:requests  (api -> scheduler group) ----
+
+
+class Submit(Struct, frozen=True, tag="submit", kw_only=True):
+    """One generation request. `output_ids` is non-empty on a continuation:
+    tokens the client already holds, which the new run must not repeat."""
+
+    request_id: str
+    reply_to: str
+    prompt_ids: list[int]
+    sampling: Sampling
+    deadline_ms: int | None = None  # unix epoch ms; not started after this
+    output_ids: list[int] = []
+    attempt: int = 0
+
+
+ToScheduler = Submit
+
+
+# ---- {prefix}:control  (api -> every scheduler, fan-out) ----
+
+
+class Cancel(Struct, frozen=True, tag="cancel"):
+    request_ids: list[str]
+
+
+class FrontendGone(Struct, frozen=True, tag="frontend_gone"):
+    """Every request whose replies go to `reply_to` is abandoned."""
+
+    reply_to: str
+
+
+Control = Cancel | FrontendGone
+
+
+# ---- {prefix}:tokens  (scheduler -> detokenizer group), one per model step ----
+
+
+class TopLogprob(Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprob(Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+    top: list[TopLogprob] = []
+
+
+class StepOutput(Struct, frozen=True, array_like=True):
+    """One request's share of a step. `prefix_ids` are the output ids just
+    before `offset`, enough for a stateless detokenizer to decode the new ids
+    in context and to hold back a partial stop string."""
+
+    request_id: str
+    reply_to: str
+    offset: int  # index in the output of new_ids[0]
+    new_ids: list[int]
+    prefix_ids: list[int]
+    finish: str | None = None  # "stop" | "length" | None while running
+    stop: list[str] = []  # the request's stop strings: hold back their prefixes
+    matched_stop: str | None = None  # the stop string that ended it; cut the text there
+    logprobs: list[TokenLogprob] | None = None
+    attempt: int = 0
+    skip_special_tokens: bool = True
+
+
+class Failed(Struct, frozen=True, tag="failed"):
+    """A request that cannot go on. `code` maps to an HTTP status in the api."""
+
+    request_id: str
+    reply_to: str
+    code: str  # one of pipeline.errors.CODES
+    detail: str
+    attempt: int = 0
+
+
+class TokenBatch(Struct, frozen=True, tag="tokens"):
+    scheduler_id: str
+    outputs: list[StepOutput] = []
+    failures: list[Failed] = []
+
+
+ToDetokenizer = TokenBatch
+
+
+# ---- {prefix}:replies:{frontend_id}  (detokenizer -> one api worker) ----
+
+
+class Delta(Struct, frozen=True, array_like=True):
+    """New text for one request. Frontends drop a delta whose token range they
+    already have, so a redelivered batch never shows a client text twice."""
+
+    request_id: str
+    offset: int
+    token_ids: list[int]
+    text: str
+    finish: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    attempt: int = 0
+
+
+class ReplyBatch(Struct, frozen=True, tag="replies"):
+    deltas: list[Delta] = []
+    failures: list[Failed] = []
+
+
+ToFrontend = ReplyBatch
+
+
+# ---- codecs: one encoder, one typed decoder per stream ----
+
+FIELD = b"m"  # every stream entry is {FIELD: msgpack bytes}
+_encoder = msgspec.msgpack.Encoder()
+encode = _encoder.encode
+
+requests_decoder = msgspec.msgpack.Decoder(ToScheduler)
+control_decoder = msgspec.msgpack.Decoder(Control)
+tokens_decoder = msgspec.msgpack.Decoder(ToDetokenizer)
+replies_decoder = msgspec.msgpack.Decoder(ToFrontend)

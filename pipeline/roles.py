@@ -1,0 +1,55 @@
+"""Run one role in this process. Torch loads only for the scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable
+
+from pipeline.config import Config
+from pipeline.models import ModelFiles, resolve_model
+
+log = logging.getLogger("pipeline.roles")
+
+
+def _run_until_signal(main: Callable[[], Awaitable[None]]) -> None:
+    async def runner() -> None:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await main()
+        except asyncio.CancelledError:
+            log.info("stopping on signal")
+
+    asyncio.run(runner())
+
+
+def run_api(config: Config, model: ModelFiles, api_workers: int) -> None:
+    import uvicorn
+
+    from pipeline.config_io import config_to_json
+
+    # uvicorn workers are fresh processes: each rebuilds the app from this variable
+    os.environ["PIPELINE_CONFIG_JSON"] = config_to_json(config)
+    uvicorn.run("api.app:app_from_env", factory=True, host=config.api.host,
+                port=config.api.port, workers=api_workers if api_workers > 1 else None,
+                log_level="warning", timeout_graceful_shutdown=5)
+
+
+def run_role(role: str, config: Config, api_workers: int = 1) -> None:
+    model = resolve_model(config.model)
+    match role:
+        case "api":
+            run_api(config, model, api_workers)
+        case "scheduler":
+            from workers.scheduler import loop
+
+            _run_until_signal(lambda: loop.run(config, model))
+        case "detokenizer":
+            from workers import detokenizer
+
+            _run_until_signal(lambda: detokenizer.run(config, model))

@@ -1,0 +1,38 @@
+"""`pipeline status`: every live worker of a tier, read from its liveness key."""
+
+from __future__ import annotations
+
+import json
+
+import redis
+from rich.console import Console
+from rich.table import Table
+
+from pipeline.streams import Keys
+
+
+def live_workers(redis_url: str, prefix: str) -> list[dict]:
+    client = redis.Redis.from_url(redis_url, socket_timeout=5)
+    try:
+        keys = sorted(client.scan_iter(match=Keys(prefix).alive_pattern(), count=500))
+        values = client.mget(keys) if keys else []
+    finally:
+        client.close()
+    return [json.loads(v) for v in values if v]
+
+
+def print_status(redis_url: str, prefix: str) -> int:
+    console = Console()
+    try:
+        workers = live_workers(redis_url, prefix)
+    except redis.RedisError as error:
+        console.print(f"[red]cannot reach Redis at {redis_url}: {error}[/red]")
+        return 1
+    table = Table(title=f"tier {prefix!r}: {len(workers)} live workers")
+    for column in ("role", "id", "load"):
+        table.add_column(column)
+    for worker in workers:
+        load = {k: v for k, v in worker.items() if k not in ("role", "id", "at")}
+        table.add_row(worker["role"], worker["id"], json.dumps(load))
+    console.print(table)
+    return 0

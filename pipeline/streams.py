@@ -1,0 +1,151 @@
+"""Every Redis key, in the order a request travels, and the one stream client.
+
+    {prefix}:requests          Submit       api -> group "schedulers", pulled when there is room
+    {prefix}:control           Cancel       api -> every scheduler (fan-out, plain XREAD)
+    {prefix}:tokens            TokenBatch   scheduler -> group "detokenizers", one per model step
+    {prefix}:replies:{front}   ReplyBatch   detokenizer -> the one api worker owning the request
+    {prefix}:alive:{role}:{id} JSON         every worker's heartbeat, short TTL
+    {prefix}:dead              DeadLetter   any worker, with the reason
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as redis
+from redis.exceptions import ResponseError
+
+from pipeline.messages import FIELD, encode
+
+SCHEDULERS = "schedulers"
+DETOKENIZERS = "detokenizers"
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str
+
+    @property
+    def requests(self) -> str:
+        return f"{self.prefix}:requests"
+
+    @property
+    def control(self) -> str:
+        return f"{self.prefix}:control"
+
+    @property
+    def tokens(self) -> str:
+        return f"{self.prefix}:tokens"
+
+    def replies(self, frontend_id: str) -> str:
+        return f"{self.prefix}:replies:{frontend_id}"
+
+    def alive(self, role: str, worker_id: str) -> str:
+        return f"{self.prefix}:alive:{role}:{worker_id}"
+
+    def alive_pattern(self, role: str = "*") -> str:
+        return f"{self.prefix}:alive:{role}:*"
+
+    @property
+    def dead_letters(self) -> str:
+        return f"{self.prefix}:dead"
+
+    def admitted(self, request_id: str) -> str:
+        return f"{self.prefix}:admitted:{request_id}"
+
+
+Entry = tuple[str, bytes]  # (entry id, message bytes or b"" when the entry is malformed)
+
+
+def _entries(raw: Sequence) -> list[Entry]:
+    out = []
+    for entry_id, fields in raw:
+        if entry_id is None:  # Redis 6.2 reports a trimmed pending entry as nil
+            continue
+        entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        out.append((entry_id, (fields or {}).get(FIELD, b"")))
+    return out
+
+
+class StreamClient:
+    """The Redis stream client every role uses. Blocking reads get their own
+    connection (`reader()`), so a long BLOCK never starves XADD/XACK traffic."""
+
+    def __init__(self, url: str, *, block_ms: int = 1000):
+        self.url = url
+        self.block_ms = block_ms
+        # socket timeout above the longest BLOCK: a blocked read must not look like a dead socket
+        self.redis = redis.Redis.from_url(
+            url, socket_timeout=max(5.0, 2 * block_ms / 1000), socket_connect_timeout=5.0,
+            health_check_interval=30,
+        )
+
+    def reader(self) -> StreamClient:
+        return StreamClient(self.url, block_ms=self.block_ms)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def ensure_group(self, stream: str, group: str, start: str = "0") -> None:
+        try:
+            await self.redis.xgroup_create(stream, group, id=start, mkstream=True)
+        except ResponseError as error:
+            if "BUSYGROUP" not in str(error):
+                raise
+
+    async def add(self, stream: str, message, *, maxlen: int | None = None) -> str:
+        entry_id = await self.redis.xadd(
+            stream, {FIELD: encode(message)}, maxlen=maxlen, approximate=True
+        )
+        return entry_id.decode()
+
+    async def add_many(
+        self, items: Sequence[tuple[str, object]], *, nomkstream: bool = False,
+        maxlen: int | None = None,
+    ) -> None:
+        """One round trip for a whole step's worth of entries."""
+        if not items:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for stream, message in items:
+                pipe.xadd(stream, {FIELD: encode(message)}, maxlen=maxlen, approximate=True,
+                          nomkstream=nomkstream)
+            await pipe.execute()
+
+    async def read_group(
+        self, stream: str, group: str, consumer: str, *, count: int, wait: bool = True,
+        start: str = ">",
+    ) -> list[Entry]:
+        """New entries for this consumer (`start=">"`), or its own pending ones (`"0"`)."""
+        reply = await self.redis.xreadgroup(
+            group, consumer, {stream: start}, count=count,
+            block=self.block_ms if wait and start == ">" else None,
+        )
+        return _entries(reply[0][1]) if reply else []
+
+    async def read(self, streams: dict[str, str], *, count: int, wait: bool = True):
+        """Plain XREAD over several streams: [(stream, [entries])]."""
+        reply = await self.redis.xread(streams, count=count, block=self.block_ms if wait else None)
+        return [(key.decode(), _entries(raw)) for key, raw in reply or []]
+
+    async def ack(self, stream: str, group: str, entry_ids: Sequence[str]) -> None:
+        if entry_ids:
+            await self.redis.xack(stream, group, *entry_ids)
+
+    async def last_id(self, stream: str) -> str:
+        """The id of the newest entry, so a fan-out reader starts after it."""
+        info = await self.redis.xrevrange(stream, count=1)
+        return info[0][0].decode() if info else "0-0"
+
+    async def heartbeat(self, key: str, info: dict, ttl_s: float) -> None:
+        await self.redis.set(key, json.dumps(info | {"at": time.time()}), px=int(ttl_s * 1000))
+
+    async def dead_letter(self, stream: str, entry_id: str, raw: bytes, reason: str,
+                          dead_key: str) -> None:
+        await self.redis.xadd(
+            dead_key, {"stream": stream, "id": entry_id, "reason": reason, FIELD: raw},
+            maxlen=10_000, approximate=True,
+        )

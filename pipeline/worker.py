@@ -1,0 +1,68 @@
+"""What every worker role shares: an id, a heartbeat liveness key, and a
+loop body that survives Redis going away (reconnect with backoff)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import socket
+import uuid
+from collections.abc import Awaitable, Callable
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from pipeline.config import RedisConfig
+from pipeline.streams import Keys, StreamClient
+
+log = logging.getLogger("pipeline.worker")
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+
+
+def new_worker_id(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+async def heartbeat_forever(client: StreamClient, keys: Keys, role: str, worker_id: str,
+                            config: RedisConfig, info: Callable[[], dict]) -> None:
+    key = keys.alive(role, worker_id)
+    while True:
+        try:
+            await client.heartbeat(key, {"role": role, "id": worker_id} | info(),
+                                   config.alive_ttl_s)
+        except REDIS_DOWN as error:
+            log.warning("%s heartbeat failed: %s", worker_id, error)
+        await asyncio.sleep(config.heartbeat_s)
+
+
+def backoff_s(failures: int) -> float:
+    """Jittered exponential backoff, capped at 5 s."""
+    return min(5.0, 0.1 * 2 ** min(failures, 6)) * (0.5 + random.random() / 2)
+
+
+async def retrying(call: Callable[[], Awaitable], name: str):
+    """`await call()` until Redis answers it."""
+    failures = 0
+    while True:
+        try:
+            return await call()
+        except REDIS_DOWN as error:
+            failures += 1
+            log.warning("%s: Redis unavailable (%s); retrying", name, error)
+            await asyncio.sleep(backoff_s(failures))
+
+
+async def forever(step: Callable[[], Awaitable[None]], name: str,
+                  on_reconnect: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Run `step` in a loop; after Redis trouble back off, then `on_reconnect`
+    (recreate groups, re-read own pending entries) and go on."""
+    while True:
+        try:
+            await step()
+        except REDIS_DOWN as error:
+            log.warning("%s: Redis unavailable (%s); reconnecting", name, error)
+            await asyncio.sleep(backoff_s(1))
+            if on_reconnect is not None:
+                await retrying(on_reconnect, name)

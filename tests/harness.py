@@ -1,0 +1,94 @@
+"""Real worker processes for tests: each role started the way a user starts
+it (`pipeline worker --role ...`), logs kept per process, all stopped after."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import redis
+
+from pipeline.status import live_workers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def delete_prefix(redis_url: str, prefix: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+class Tier:
+    """One tier (a key prefix on one Redis) and the processes serving it."""
+
+    def __init__(self, redis_url: str, prefix: str, log_dir: Path, **options: str):
+        self.redis_url = redis_url
+        self.prefix = prefix
+        self.log_dir = log_dir
+        self.options = {"dtype": "float32", "log-level": "warning"} | options
+        self.procs: list[subprocess.Popen] = []
+        self.api_ports: list[int] = []
+
+    def start(self, role: str, **options) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "pipeline.cli", "worker", "--role", role,
+               "--redis-url", self.redis_url, "--prefix", self.prefix]
+        for name, value in (self.options | options).items():
+            cmd += [f"--{name}", str(value)]
+        log = open(self.log_dir / f"{role}-{len(self.procs)}.log", "w")
+        env = os.environ | {"TOKENIZERS_PARALLELISM": "false"}
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.procs.append(proc)
+        return proc
+
+    def start_api(self, **options) -> str:
+        port = free_port()
+        self.start("api", port=port, **options)
+        self.api_ports.append(port)
+        return f"http://127.0.0.1:{port}"
+
+    def wait_ready(self, schedulers: int = 1, detokenizers: int = 1, timeout_s: float = 120):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for proc in self.procs:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"a worker exited early ({proc.args}); logs in "
+                                       f"{self.log_dir}")
+            roles = [w["role"] for w in live_workers(self.redis_url, self.prefix)]
+            apis_up = all(_healthy(port) for port in self.api_ports)
+            if (roles.count("scheduler") >= schedulers and roles.count("detokenizer")
+                    >= detokenizers and apis_up):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"tier not ready after {timeout_s}s; logs in {self.log_dir}")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        delete_prefix(self.redis_url, self.prefix)
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -1,0 +1,90 @@
+"""The detokenizer role: reads TokenBatches from {prefix}:tokens (group
+"detokenizers"), turns ids into text, and writes one ReplyBatch per frontend
+per batch to {prefix}:replies:{frontend_id} (NOMKSTREAM). Stateless."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+
+import msgspec
+
+from pipeline.config import Config
+from pipeline.messages import Delta, Failed, ReplyBatch, TokenBatch, tokens_decoder
+from pipeline.models import ModelFiles
+from pipeline.streams import DETOKENIZERS, Keys, StreamClient
+from pipeline.tokenizer import Tokenizer
+from pipeline.worker import forever, heartbeat_forever, new_worker_id, retrying
+from workers.text import step_text
+
+log = logging.getLogger("pipeline.detokenizer")
+
+
+def replies_for(tokenizer: Tokenizer, batch: TokenBatch) -> dict[str, ReplyBatch]:
+    """Group a step's outputs by the frontend that owns each request."""
+    deltas: dict[str, list[Delta]] = defaultdict(list)
+    failures: dict[str, list[Failed]] = defaultdict(list)
+    for out in batch.outputs:
+        text = step_text(tokenizer, out)
+        deltas[out.reply_to].append(
+            Delta(out.request_id, out.offset, out.new_ids, text, out.finish, out.logprobs,
+                  out.attempt)
+        )
+    for failure in batch.failures:
+        failures[failure.reply_to].append(failure)
+    return {
+        reply_to: ReplyBatch(deltas=deltas.get(reply_to, []), failures=failures.get(reply_to, []))
+        for reply_to in deltas.keys() | failures.keys()
+    }
+
+
+class Detokenizer:
+    def __init__(self, config: Config, tokenizer: Tokenizer):
+        self.config = config
+        self.keys = Keys(config.redis.prefix)
+        self.tokenizer = tokenizer
+        self.worker_id = config.detokenizer.detokenizer_id or new_worker_id("detokenizer")
+        self.client = StreamClient(config.redis.url, block_ms=config.redis.read_block_ms)
+        self.reader = self.client.reader()
+        self.start = "0"  # own pending entries first (a restart under the same id), then new
+        self.num_batches = 0
+
+    async def join(self) -> None:
+        await self.client.ensure_group(self.keys.tokens, DETOKENIZERS)
+        await self.client.redis.xgroup_createconsumer(self.keys.tokens, DETOKENIZERS,
+                                                      self.worker_id)
+        self.start = "0"
+
+    async def step(self) -> None:
+        entries = await self.reader.read_group(self.keys.tokens, DETOKENIZERS, self.worker_id,
+                                               count=64, start=self.start)
+        if self.start == "0" and not entries:
+            self.start = ">"
+            return
+        replies: list[tuple[str, ReplyBatch]] = []
+        for entry_id, raw in entries:
+            try:
+                batch = tokens_decoder.decode(raw)
+            except msgspec.DecodeError as error:
+                await self.client.dead_letter(self.keys.tokens, entry_id, raw, str(error),
+                                              self.keys.dead_letters)
+                continue
+            replies.extend(replies_for(self.tokenizer, batch).items())
+        # ack only after the replies are written: a crash before that must redeliver
+        await self.client.add_many(replies, nomkstream=True, maxlen=10_000)
+        await self.client.ack(self.keys.tokens, DETOKENIZERS, [e for e, _ in entries])
+        self.num_batches += len(entries)
+
+
+async def run(config: Config, model: ModelFiles) -> None:
+    detokenizer = Detokenizer(config, Tokenizer(model.path))
+    await retrying(detokenizer.join, "detokenizer join")
+    log.info("detokenizer %s reading %s", detokenizer.worker_id, detokenizer.keys.tokens)
+    beat = asyncio.create_task(heartbeat_forever(
+        detokenizer.client, detokenizer.keys, "detokenizer", detokenizer.worker_id, config.redis,
+        lambda: {"batches": detokenizer.num_batches}))
+    try:
+        await forever(detokenizer.step, "detokenizer", on_reconnect=detokenizer.join)
+    finally:
+        beat.cancel()

@@ -1,0 +1,172 @@
+"""The scheduler role: pulls Submits from {prefix}:requests (group
+"schedulers") only when the engine has room, reads Cancel/FrontendGone from
+{prefix}:control, and writes one TokenBatch per model step to {prefix}:tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict, dataclass
+
+import msgspec
+
+from pipeline.config import Config
+from pipeline.errors import PipelineError
+from pipeline.messages import (
+    Cancel,
+    Failed,
+    FrontendGone,
+    StepOutput,
+    Submit,
+    TokenBatch,
+    control_decoder,
+    requests_decoder,
+)
+from pipeline.models import ModelFiles
+from pipeline.streams import DETOKENIZERS, SCHEDULERS, Keys, StreamClient
+from pipeline.tokenizer import Tokenizer
+from pipeline.worker import forever, heartbeat_forever, new_worker_id, retrying
+from workers.scheduler.engine import Engine, EngineRequest, StepResult
+from workers.text import find_stop, stop_window
+
+log = logging.getLogger("pipeline.scheduler")
+
+
+@dataclass
+class Running:
+    submit: Submit
+    entry_id: str
+    output_ids: list[int]  # everything the client will have: delivered before + generated here
+
+
+class Scheduler:
+    def __init__(self, config: Config, engine: Engine, tokenizer: Tokenizer):
+        self.config = config
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.keys = Keys(config.redis.prefix)
+        self.worker_id = config.scheduler.scheduler_id or new_worker_id("scheduler")
+        self.client = StreamClient(config.redis.url, block_ms=config.redis.read_block_ms)
+        self.reader = self.client.reader()
+        self.running: dict[str, Running] = {}
+        self.control_id = "$"
+        self.failures: list[Failed] = []
+        self.to_ack: list[str] = []
+
+    async def join(self) -> None:
+        for stream, group in ((self.keys.requests, SCHEDULERS), (self.keys.tokens, DETOKENIZERS)):
+            await self.client.ensure_group(stream, group)
+        await self.client.redis.xgroup_createconsumer(self.keys.requests, SCHEDULERS,
+                                                      self.worker_id)
+        if self.control_id == "$":
+            self.control_id = await self.client.last_id(self.keys.control)
+
+    async def step(self) -> None:
+        await self.receive()
+        results = await asyncio.to_thread(self.engine.step) if self.engine.has_work() else []
+        await self.emit(results)
+
+    async def receive(self) -> None:
+        for _stream, entries in await self.client.read({self.keys.control: self.control_id},
+                                                       count=512, wait=False):
+            for entry_id, raw in entries:
+                self.control_id = entry_id
+                self.on_control(raw)
+        room = self.engine.can_admit()
+        if room <= 0:
+            return
+        entries = await self.reader.read_group(self.keys.requests, SCHEDULERS, self.worker_id,
+                                               count=room, wait=not self.engine.has_work())
+        for entry_id, raw in entries:
+            await self.admit(entry_id, raw)
+
+    def on_control(self, raw: bytes) -> None:
+        try:
+            message = control_decoder.decode(raw)
+        except msgspec.DecodeError as error:
+            log.error("undecodable control entry ignored: %s", error)
+            return
+        match message:
+            case Cancel(request_ids):
+                doomed = [r for r in request_ids if r in self.running]
+            case FrontendGone(reply_to):
+                doomed = [r for r, run in self.running.items() if run.submit.reply_to == reply_to]
+        for request_id in doomed:
+            self.engine.abort(request_id)
+            self.to_ack.append(self.running.pop(request_id).entry_id)
+
+    async def admit(self, entry_id: str, raw: bytes) -> None:
+        try:
+            submit = requests_decoder.decode(raw)
+        except msgspec.DecodeError as error:
+            await self.client.dead_letter(self.keys.requests, entry_id, raw, str(error),
+                                          self.keys.dead_letters)
+            self.to_ack.append(entry_id)
+            return
+        if submit.request_id in self.running:  # a retried XADD delivered it twice
+            self.to_ack.append(entry_id)
+            return
+        try:
+            if submit.deadline_ms is not None and submit.deadline_ms < time.time() * 1000:
+                raise PipelineError("request expired before a scheduler could start it")
+            self.engine.add(EngineRequest(submit.request_id, submit.prompt_ids,
+                                          list(submit.output_ids), submit.sampling))
+        except PipelineError as error:
+            code = "timeout" if "expired" in error.detail else error.code
+            self.failures.append(Failed(submit.request_id, submit.reply_to, code, error.detail,
+                                        submit.attempt))
+            self.to_ack.append(entry_id)
+            return
+        self.running[submit.request_id] = Running(submit, entry_id, list(submit.output_ids))
+
+    def output_for(self, result: StepResult) -> StepOutput | None:
+        run = self.running.get(result.request_id)
+        if run is None or not result.new_ids:
+            return None
+        sampling = run.submit.sampling
+        offset = len(run.output_ids)
+        prefix = run.output_ids[max(0, offset - stop_window(sampling.stop)):]
+        run.output_ids.extend(result.new_ids)
+        finish, matched = result.finish, None
+        if sampling.stop and len(run.output_ids) >= sampling.min_tokens:
+            matched = find_stop(self.tokenizer, run.output_ids, len(result.new_ids),
+                                sampling.stop, sampling.skip_special_tokens)
+            if matched is not None:
+                finish = "stop"
+                if result.finish is None:
+                    self.engine.abort(result.request_id)
+        if finish is not None:
+            self.to_ack.append(self.running.pop(result.request_id).entry_id)
+        return StepOutput(result.request_id, run.submit.reply_to, offset, result.new_ids, prefix,
+                          finish, sampling.stop, matched, result.logprobs, run.submit.attempt,
+                          sampling.skip_special_tokens)
+
+    async def emit(self, results: list[StepResult]) -> None:
+        outputs = [out for r in results if (out := self.output_for(r)) is not None]
+        if outputs or self.failures:
+            batch = TokenBatch(self.worker_id, outputs, self.failures)
+            await self.client.add(self.keys.tokens, batch, maxlen=self.config.redis.max_stream_len)
+            self.failures = []
+        # ack only after the final tokens are on TOKENS: a crash before that must redeliver
+        if self.to_ack:
+            await self.client.ack(self.keys.requests, SCHEDULERS, self.to_ack)
+            self.to_ack = []
+
+    def info(self) -> dict:
+        return {"model": self.config.model, "running": len(self.running)} | asdict(
+            self.engine.stats())
+
+
+async def run(config: Config, model: ModelFiles) -> None:
+    engine = await asyncio.to_thread(Engine, model.path, config.scheduler)
+    scheduler = Scheduler(config, engine, Tokenizer(model.path))
+    await retrying(scheduler.join, "scheduler join")
+    log.info("scheduler %s pulling %s", scheduler.worker_id, scheduler.keys.requests)
+    beat = asyncio.create_task(heartbeat_forever(
+        scheduler.client, scheduler.keys, "scheduler", scheduler.worker_id, config.redis,
+        scheduler.info))
+    try:
+        await forever(scheduler.step, "scheduler", on_reconnect=scheduler.join)
+    finally:
+        beat.cancel()
