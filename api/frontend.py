@@ -12,8 +12,10 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
+
 from pipeline.config import ApiConfig, RedisConfig
-from pipeline.errors import Overloaded, error_from_code
+from pipeline.errors import RETRY, Overloaded, error_from_code
 from pipeline.messages import (
     Cancel,
     Delta,
@@ -23,9 +25,12 @@ from pipeline.messages import (
     Submit,
     replies_decoder,
 )
-from pipeline.streams import Keys, StreamClient
+from pipeline.recovery import queue_depth
+from pipeline.streams import SCHEDULERS, Keys, StreamClient
+from pipeline.worker import retrying
 
 log = logging.getLogger("pipeline.api")
+CONTROL_MAXLEN = 10_000  # fan-out stream: nobody pends on it, so a plain cap is safe
 
 
 @dataclass
@@ -62,6 +67,9 @@ class Frontend:
         self.client = StreamClient(redis_config.url, block_ms=redis_config.read_block_ms)
         self.states: dict[str, RequestState] = {}
         self._tasks: list[asyncio.Task] = []
+        self.queue_depth = 0  # unadmitted requests tier-wide, refreshed in the background
+        self.num_resubmits = 0
+        self.last_reply_id = "0-0"
 
     async def start(self) -> None:
         # the reply stream exists before any request names it: detokenizers
@@ -71,6 +79,7 @@ class Frontend:
         self._tasks = [
             asyncio.create_task(self._read_replies(), name="replies"),
             asyncio.create_task(self._heartbeat(), name="heartbeat"),
+            asyncio.create_task(self._watch_queue(), name="queue"),
         ]
 
     async def stop(self) -> None:
@@ -80,7 +89,8 @@ class Frontend:
             with contextlib.suppress(BaseException):
                 await task
         with contextlib.suppress(Exception):
-            await self.client.add(self.keys.control, FrontendGone(self.reply_to))
+            await self.client.add(self.keys.control, FrontendGone(self.reply_to),
+                                  maxlen=CONTROL_MAXLEN)
             await self.client.redis.delete(self.reply_to, self.keys.alive("api", self.frontend_id))
         await self.client.close()
 
@@ -88,8 +98,9 @@ class Frontend:
         self, prompt_ids: list[int], sampling: Sampling, request_id: str | None = None
     ) -> AsyncIterator[Delta]:
         """Submit one request and yield its deltas; raises the request's error."""
-        if len(self.states) >= self.config.max_queued_requests:
-            raise Overloaded("too many requests in flight on this frontend; retry shortly")
+        if self.queue_depth >= self.config.max_queued_requests:
+            raise Overloaded(f"{self.queue_depth} requests are waiting for a scheduler; "
+                             "retry shortly")
         request_id = request_id or uuid.uuid4().hex
         deadline_ms = int((time.time() + self.config.request_timeout_s) * 1000)
         submit = Submit(request_id=request_id, reply_to=self.reply_to, prompt_ids=prompt_ids,
@@ -109,22 +120,22 @@ class Frontend:
             del self.states[request_id]
             if not state.finished:
                 with contextlib.suppress(Exception):
-                    await self.client.add(self.keys.control, Cancel([request_id]))
+                    await self.client.add(self.keys.control, Cancel([request_id]),
+                                          maxlen=CONTROL_MAXLEN)
 
     async def _read_replies(self) -> None:
         reader = self.client.reader()
-        last_id = "0-0"
         try:
             while True:
                 try:
-                    batches = await reader.read({self.reply_to: last_id}, count=256)
+                    batches = await reader.read({self.reply_to: self.last_reply_id}, count=256)
                 except Exception as error:
                     log.warning("reply read failed (%s); retrying", error)
                     await asyncio.sleep(0.5)
                     continue
                 for _stream, entries in batches:
                     for entry_id, raw in entries:
-                        last_id = entry_id
+                        self.last_reply_id = entry_id
                         if raw:
                             self._dispatch(raw)
         finally:
@@ -138,7 +149,11 @@ class Frontend:
             return
         for failure in batch.failures:
             state = self.states.get(failure.request_id)
-            if state is not None and failure.attempt == state.submit.attempt:
+            if state is None or failure.attempt != state.submit.attempt:
+                continue
+            if failure.code == RETRY:
+                self._spawn(self._resubmit(state))
+            else:
                 state.finished = True
                 state.events.put_nowait(failure)
         for delta in batch.deltas:
@@ -147,13 +162,48 @@ class Frontend:
                 for ready in state.accept(delta):
                     state.events.put_nowait(ready)
 
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.append(task)
+        task.add_done_callback(self._tasks.remove)
+
+    async def _resubmit(self, state: RequestState) -> None:
+        """Run a request again as a continuation: the new attempt starts after
+        the tokens this client already has, so nothing is repeated or contradicted."""
+        state.submit = msgspec.structs.replace(state.submit, attempt=state.submit.attempt + 1,
+                                               output_ids=list(state.output_ids))
+        state.early.clear()
+        self.num_resubmits += 1
+        await retrying(lambda: self.client.add(self.keys.requests, state.submit), "resubmit")
+
     async def _refresh_liveness(self) -> None:
         ttl_s = self.redis_config.alive_ttl_s
         info = {"role": "api", "id": self.frontend_id, "in_flight": len(self.states),
                 "reply_to": self.reply_to}
         await self.client.heartbeat(self.keys.alive("api", self.frontend_id), info, ttl_s)
         # a dead frontend's reply stream expires by itself
-        await self.client.redis.pexpire(self.reply_to, int(ttl_s * 1000) * 6)
+        if not await self.client.redis.pexpire(self.reply_to, int(ttl_s * 1000) * 6):
+            await self._recover_lost_data()
+
+    async def _recover_lost_data(self) -> None:
+        """Our reply stream vanished: Redis restarted empty. Recreate it and
+        resubmit everything in flight; schedulers drop the lost originals."""
+        log.warning("reply stream %s is gone (Redis lost its data); resubmitting %d requests",
+                    self.reply_to, len(self.states))
+        await self.client.redis.xadd(self.reply_to, {"hello": self.frontend_id})
+        self.last_reply_id = "0-0"
+        for state in list(self.states.values()):
+            if not state.finished:
+                await self._resubmit(state)
+
+    async def _watch_queue(self) -> None:
+        while True:
+            try:
+                self.queue_depth = await queue_depth(self.client, self.keys.requests, SCHEDULERS,
+                                                     self.config.max_queued_requests)
+            except Exception as error:
+                log.debug("queue depth unavailable: %s", error)
+            await asyncio.sleep(0.2)
 
     async def _heartbeat(self) -> None:
         while True:

@@ -49,18 +49,22 @@ Timeout = Annotated[float, _opt("REQUEST_TIMEOUT", "Seconds before a request is 
 MaxQueued = Annotated[int, _opt("MAX_QUEUED_REQUESTS", "In-flight requests per api before 503.")]
 WorkerId = Annotated[str | None, typer.Option("--id", envvar="PIPELINE_WORKER_ID",
                                              help="Stable worker id (default: random).")]
+AliveTtl = Annotated[float, _opt("ALIVE_TTL_S", "A worker silent this long is presumed dead "
+                                 "and its work taken over.")]
 LogLevel = Annotated[str, _opt("LOG_LEVEL", "debug | info | warning | error.")]
 
 
 def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: int,
                  api_key: str | None, max_running_requests: int, max_batch_tokens: int,
                  kv_cache_mb: int, dtype: str, device: str, num_threads: int | None,
-                 request_timeout: float, max_queued_requests: int) -> Config:
+                 request_timeout: float, max_queued_requests: int,
+                 alive_ttl_s: float) -> Config:
     return Config(
         model=model,
-        redis=RedisConfig(url=redis_url, prefix=prefix),
+        redis=RedisConfig(url=redis_url, prefix=prefix, alive_ttl_s=alive_ttl_s,
+                          heartbeat_s=min(1.0, alive_ttl_s / 4)),
         api=ApiConfig(host=host, port=port, api_key=api_key, request_timeout_s=request_timeout,
-                      max_queued_requests=max_queued_requests),
+                      max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s),
         scheduler=SchedulerConfig(max_running_requests=max_running_requests,
                                   max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb,
                                   dtype=dtype, device=device, num_threads=num_threads),
@@ -79,6 +83,7 @@ def child_env(config: Config, redis_url: str, log_level: str, api_workers: int) 
         "DEVICE": config.scheduler.device, "NUM_THREADS": config.scheduler.num_threads,
         "REQUEST_TIMEOUT": config.api.request_timeout_s,
         "MAX_QUEUED_REQUESTS": config.api.max_queued_requests, "LOG_LEVEL": log_level,
+        "ALIVE_TTL_S": config.redis.alive_ttl_s,
     }
     return {f"PIPELINE_{name}": str(value) for name, value in values.items() if value is not None}
 
@@ -98,7 +103,8 @@ def serve(
     api_key: ApiKey = None, max_running_requests: MaxRunning = 64,
     max_batch_tokens: MaxBatchTokens = 512, kv_cache_mb: KvCacheMb = 512, dtype: Dtype = "auto",
     device: Device = "auto", num_threads: Threads = None, request_timeout: Timeout = 600.0,
-    max_queued_requests: MaxQueued = 1024, log_level: LogLevel = "info",
+    max_queued_requests: MaxQueued = 1024, alive_ttl_s: AliveTtl = 5.0,
+    log_level: LogLevel = "info",
 ) -> None:
     """Run every role as its own process, plus an embedded Redis when no URL is given."""
     from pipeline.supervisor import serve_forever
@@ -109,7 +115,7 @@ def serve(
         api_key=api_key, max_running_requests=max_running_requests,
         max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb, dtype=dtype, device=device,
         num_threads=num_threads, request_timeout=request_timeout,
-        max_queued_requests=max_queued_requests)
+        max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s)
     counts = {"api": api_workers, "scheduler": schedulers, "detokenizer": detokenizers}
     raise typer.Exit(serve_forever(config, counts, lambda url: child_env(config, url, log_level,
                                                                          api_workers)))
@@ -125,7 +131,8 @@ def worker(
     api_key: ApiKey = None, max_running_requests: MaxRunning = 64,
     max_batch_tokens: MaxBatchTokens = 512, kv_cache_mb: KvCacheMb = 512, dtype: Dtype = "auto",
     device: Device = "auto", num_threads: Threads = None, request_timeout: Timeout = 600.0,
-    max_queued_requests: MaxQueued = 1024, log_level: LogLevel = "info",
+    max_queued_requests: MaxQueued = 1024, alive_ttl_s: AliveTtl = 5.0,
+    log_level: LogLevel = "info",
 ) -> None:
     """Run exactly one role against a shared Redis."""
     from pipeline.roles import run_role
@@ -136,7 +143,7 @@ def worker(
         host=host, port=port, api_key=api_key, max_running_requests=max_running_requests,
         max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb, dtype=dtype, device=device,
         num_threads=num_threads, request_timeout=request_timeout,
-        max_queued_requests=max_queued_requests)
+        max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s)
     config = _with_worker_id(config, role, worker_id)
     run_role(role.value, config, api_workers=api_workers)
 

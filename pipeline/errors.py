@@ -3,6 +3,8 @@ the same codes travel inside `Failed` messages across Redis."""
 
 from __future__ import annotations
 
+RETRY = "retry"  # not an error: "resubmit this as a continuation" (its scheduler died)
+
 # code -> (HTTP status, OpenAI error type)
 CODES: dict[str, tuple[int, str]] = {
     "invalid_request": (400, "invalid_request_error"),
@@ -12,7 +14,7 @@ CODES: dict[str, tuple[int, str]] = {
     "not_found": (404, "invalid_request_error"),
     "payload_too_large": (413, "invalid_request_error"),
     "overloaded": (503, "server_overloaded"),
-    "timeout": (504, "timeout"),
+    "timeout": (408, "timeout"),
     "cancelled": (499, "cancelled"),
     "internal": (500, "internal_error"),
 }

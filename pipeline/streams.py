@@ -43,6 +43,9 @@ class Keys:
     def replies(self, frontend_id: str) -> str:
         return f"{self.prefix}:replies:{frontend_id}"
 
+    def frontend_of(self, reply_to: str) -> str:
+        return reply_to.removeprefix(f"{self.prefix}:replies:")
+
     def alive(self, role: str, worker_id: str) -> str:
         return f"{self.prefix}:alive:{role}:{worker_id}"
 
@@ -57,7 +60,7 @@ class Keys:
         return f"{self.prefix}:admitted:{request_id}"
 
 
-Entry = tuple[str, bytes]  # (entry id, message bytes or b"" when the entry is malformed)
+Entry = tuple[str, bytes]  # (entry id, message bytes; b"" when malformed or trimmed away)
 
 
 def _entries(raw: Sequence) -> list[Entry]:

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipeline.config import RedisConfig
@@ -64,5 +65,11 @@ async def forever(step: Callable[[], Awaitable[None]], name: str,
         except REDIS_DOWN as error:
             log.warning("%s: Redis unavailable (%s); reconnecting", name, error)
             await asyncio.sleep(backoff_s(1))
-            if on_reconnect is not None:
-                await retrying(on_reconnect, name)
+        except ResponseError as error:
+            if "NOGROUP" not in str(error):
+                raise
+            log.warning("%s: consumer group gone (Redis restarted empty?); rejoining", name)
+        else:
+            continue
+        if on_reconnect is not None:
+            await retrying(on_reconnect, name)

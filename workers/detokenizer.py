@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 
 import msgspec
@@ -13,6 +14,7 @@ import msgspec
 from pipeline.config import Config
 from pipeline.messages import Delta, Failed, ReplyBatch, TokenBatch, tokens_decoder
 from pipeline.models import ModelFiles
+from pipeline.recovery import dead_consumers, drop_consumer, take_over, trim_below_pending
 from pipeline.streams import DETOKENIZERS, Keys, StreamClient
 from pipeline.tokenizer import Tokenizer
 from pipeline.worker import forever, heartbeat_forever, new_worker_id, retrying
@@ -49,6 +51,7 @@ class Detokenizer:
         self.reader = self.client.reader()
         self.start = "0"  # own pending entries first (a restart under the same id), then new
         self.num_batches = 0
+        self.next_upkeep = 0.0
 
     async def join(self) -> None:
         await self.client.ensure_group(self.keys.tokens, DETOKENIZERS)
@@ -56,7 +59,24 @@ class Detokenizer:
                                                       self.worker_id)
         self.start = "0"
 
+    async def upkeep(self) -> None:
+        """Once a heartbeat: take over dead detokenizers' batches, trim the stream."""
+        self.next_upkeep = time.monotonic() + self.config.redis.heartbeat_s
+        min_idle_ms = int(self.config.redis.alive_ttl_s * 1000)
+        for name, pending in await dead_consumers(self.client, self.keys, self.keys.tokens,
+                                                  DETOKENIZERS, "detokenizer", self.worker_id):
+            if pending:
+                claimed = await take_over(self.client, self.keys.tokens, DETOKENIZERS, name,
+                                          self.worker_id, min_idle_ms)
+                log.warning("took over %d batches of dead detokenizer %s", len(claimed), name)
+                self.start = "0"  # they are ours now: read our own pending list again
+            else:
+                await drop_consumer(self.client, self.keys.tokens, DETOKENIZERS, name)
+        await trim_below_pending(self.client, self.keys.tokens)
+
     async def step(self) -> None:
+        if time.monotonic() >= self.next_upkeep:
+            await self.upkeep()
         entries = await self.reader.read_group(self.keys.tokens, DETOKENIZERS, self.worker_id,
                                                count=64, start=self.start)
         if self.start == "0" and not entries:

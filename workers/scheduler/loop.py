@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import msgspec
 
 from pipeline.config import Config
-from pipeline.errors import PipelineError
+from pipeline.errors import RETRY, PipelineError, RequestTimeout
 from pipeline.messages import (
     Cancel,
     Failed,
@@ -24,6 +24,15 @@ from pipeline.messages import (
     requests_decoder,
 )
 from pipeline.models import ModelFiles
+from pipeline.recovery import (
+    Claimed,
+    dead_consumers,
+    drop_consumer,
+    gone_frontends,
+    keep_own,
+    take_over,
+    trim_below_pending,
+)
 from pipeline.streams import DETOKENIZERS, SCHEDULERS, Keys, StreamClient
 from pipeline.tokenizer import Tokenizer
 from pipeline.worker import forever, heartbeat_forever, new_worker_id, retrying
@@ -31,6 +40,8 @@ from workers.scheduler.engine import Engine, EngineRequest, StepResult
 from workers.text import find_stop, stop_window
 
 log = logging.getLogger("pipeline.scheduler")
+MAX_ATTEMPTS = 3  # a request whose scheduler dies this many times is poison
+ADMITTED_TTL_S = 3600
 
 
 @dataclass
@@ -53,6 +64,8 @@ class Scheduler:
         self.control_id = "$"
         self.failures: list[Failed] = []
         self.to_ack: list[str] = []
+        self.next_upkeep = 0.0
+        self.num_expired = 0
 
     async def join(self) -> None:
         for stream, group in ((self.keys.requests, SCHEDULERS), (self.keys.tokens, DETOKENIZERS)):
@@ -61,8 +74,16 @@ class Scheduler:
                                                       self.worker_id)
         if self.control_id == "$":
             self.control_id = await self.client.last_id(self.keys.control)
+        # entries we hold but do not run: we restarted under the same id, or lost them
+        running = {run.entry_id for run in self.running.values()}
+        for entry in await take_over(self.client, self.keys.requests, SCHEDULERS, self.worker_id,
+                                     self.worker_id, 0):
+            if entry.entry_id not in running:
+                await self.turn_back(entry)
 
     async def step(self) -> None:
+        if time.monotonic() >= self.next_upkeep:
+            await self.upkeep()
         await self.receive()
         results = await asyncio.to_thread(self.engine.step) if self.engine.has_work() else []
         await self.emit(results)
@@ -80,6 +101,56 @@ class Scheduler:
                                                count=room, wait=not self.engine.has_work())
         for entry_id, raw in entries:
             await self.admit(entry_id, raw)
+
+    async def upkeep(self) -> None:
+        """Once a heartbeat: keep our entries, drop abandoned work, rescue the dead's."""
+        self.next_upkeep = time.monotonic() + self.config.redis.heartbeat_s
+        kept = await keep_own(self.client, self.keys.requests, SCHEDULERS, self.worker_id,
+                              [run.entry_id for run in self.running.values()])
+        lost = [r for r, run in self.running.items() if run.entry_id not in kept]
+        gone = await gone_frontends(self.client, self.keys,
+                                    {run.submit.reply_to for run in self.running.values()})
+        abandoned = [r for r, run in self.running.items() if run.submit.reply_to in gone]
+        for request_id in set(lost) | set(abandoned):
+            # lost: Redis lost the entry, so its frontend resubmits; abandoned: nobody listens
+            self.engine.abort(request_id)
+            self.to_ack.append(self.running.pop(request_id).entry_id)
+        await self.rescue()
+        await trim_below_pending(self.client, self.keys.requests)
+
+    async def rescue(self) -> None:
+        """Requests a dead scheduler held go back to their frontends, which
+        resubmit them as continuations of what their clients already saw."""
+        min_idle_ms = int(self.config.redis.alive_ttl_s * 1000)
+        for name, pending in await dead_consumers(self.client, self.keys, self.keys.requests,
+                                                  SCHEDULERS, "scheduler", self.worker_id):
+            if not pending:
+                await drop_consumer(self.client, self.keys.requests, SCHEDULERS, name)
+                continue
+            claimed = await take_over(self.client, self.keys.requests, SCHEDULERS, name,
+                                      self.worker_id, min_idle_ms)
+            for entry in claimed:
+                await self.turn_back(entry)
+            log.warning("took over %d requests of dead scheduler %s", len(claimed), name)
+
+    async def turn_back(self, entry: Claimed) -> None:
+        self.to_ack.append(entry.entry_id)
+        try:
+            submit = requests_decoder.decode(entry.raw)
+        except msgspec.DecodeError as error:
+            await self.client.dead_letter(self.keys.requests, entry.entry_id, entry.raw,
+                                          f"undecodable after its scheduler died: {error}",
+                                          self.keys.dead_letters)
+            return
+        if submit.attempt + 1 >= MAX_ATTEMPTS:
+            reason = f"request failed on {MAX_ATTEMPTS} schedulers in turn; not retried"
+            await self.client.dead_letter(self.keys.requests, entry.entry_id, entry.raw, reason,
+                                          self.keys.dead_letters)
+            self.failures.append(Failed(submit.request_id, submit.reply_to, "internal", reason,
+                                        submit.attempt))
+            return
+        self.failures.append(Failed(submit.request_id, submit.reply_to, RETRY,
+                                    "its scheduler died", submit.attempt))
 
     def on_control(self, raw: bytes) -> None:
         try:
@@ -104,18 +175,24 @@ class Scheduler:
                                           self.keys.dead_letters)
             self.to_ack.append(entry_id)
             return
-        if submit.request_id in self.running:  # a retried XADD delivered it twice
+        first = await self.client.redis.set(
+            self.keys.admitted(f"{submit.request_id}:{submit.attempt}"), self.worker_id,
+            nx=True, ex=ADMITTED_TTL_S)
+        if not first:  # a retried XADD delivered it twice: run it once
             self.to_ack.append(entry_id)
             return
+        if (old := self.running.pop(submit.request_id, None)) is not None:
+            self.engine.abort(submit.request_id)  # a newer attempt supersedes it
+            self.to_ack.append(old.entry_id)
         try:
             if submit.deadline_ms is not None and submit.deadline_ms < time.time() * 1000:
-                raise PipelineError("request expired before a scheduler could start it")
+                self.num_expired += 1
+                raise RequestTimeout("the request expired before a scheduler could start it")
             self.engine.add(EngineRequest(submit.request_id, submit.prompt_ids,
                                           list(submit.output_ids), submit.sampling))
         except PipelineError as error:
-            code = "timeout" if "expired" in error.detail else error.code
-            self.failures.append(Failed(submit.request_id, submit.reply_to, code, error.detail,
-                                        submit.attempt))
+            self.failures.append(Failed(submit.request_id, submit.reply_to, error.code,
+                                        error.detail, submit.attempt))
             self.to_ack.append(entry_id)
             return
         self.running[submit.request_id] = Running(submit, entry_id, list(submit.output_ids))
@@ -144,17 +221,16 @@ class Scheduler:
 
     async def emit(self, results: list[StepResult]) -> None:
         outputs = [out for r in results if (out := self.output_for(r)) is not None]
-        if outputs or self.failures:
-            batch = TokenBatch(self.worker_id, outputs, self.failures)
-            await self.client.add(self.keys.tokens, batch, maxlen=self.config.redis.max_stream_len)
-            self.failures = []
+        failures, self.failures = self.failures, []
+        to_ack, self.to_ack = self.to_ack, []
+        if outputs or failures:
+            batch = TokenBatch(self.worker_id, outputs, failures)
+            await self.client.add(self.keys.tokens, batch)
         # ack only after the final tokens are on TOKENS: a crash before that must redeliver
-        if self.to_ack:
-            await self.client.ack(self.keys.requests, SCHEDULERS, self.to_ack)
-            self.to_ack = []
+        await self.client.ack(self.keys.requests, SCHEDULERS, to_ack)
 
     def info(self) -> dict:
-        return {"model": self.config.model, "running": len(self.running)} | asdict(
+        return {"model": self.config.model, "num_expired": self.num_expired} | asdict(
             self.engine.stats())
 
 

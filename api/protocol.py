@@ -1,0 +1,140 @@
+# HTTP request bodies (pydantic): the shapes clients send, checked for type only.
+# Ranges and meaning are checked in api/sampling.py; the wire (`Sampling`) is a separate contract.
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class SamplingFields(BaseModel):
+    """Generation parameters every route shares, under their OpenAI names."""
+
+    # strict: "5" is not an int and true is not a number, as in OpenAI's API
+    model_config = ConfigDict(strict=True)
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    skip_special_tokens: bool = True
+    n: int = 1
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    include_usage: bool = False
+
+
+class OpenAIRequest(SamplingFields):
+    """Fields both OpenAI routes take. Features we cannot honour are declared so a
+    request that uses them is refused (see `unsupported`) rather than silently ignored."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> str | None:
+        """The first field set to something this server cannot do, if any."""
+        if self.logit_bias:
+            return "logit_bias"
+        if self.best_of not in (None, self.n):
+            return "best_of"
+        return None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class ChatRequest(OpenAIRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _newer_name_wins(self) -> ChatRequest:
+        # OpenAI renamed max_tokens to max_completion_tokens; accept both
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+    def unsupported(self) -> str | None:
+        if self.tools:
+            return "tools"
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice"
+        if self.response_format not in (None, {"type": "text"}):
+            return "response_format"
+        return super().unsupported()
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def unsupported(self) -> str | None:
+        if self.echo:
+            return "echo"
+        if self.suffix:
+            return "suffix"
+        return super().unsupported()
+
+
+class NativeSampling(SamplingFields):
+    """SGLang's `sampling_params`: its names, and nothing we would silently ignore."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=False)
+
+    max_tokens: int | None = Field(None, alias="max_new_tokens")
+    min_tokens: int = Field(0, alias="min_new_tokens")
+    n: Literal[1] = 1
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: NativeSampling = Field(default_factory=NativeSampling)
+    stream: bool = False
+    rid: str | None = None  # echoed as meta_info.id; the wire request_id stays ours (unique)
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of text or input_ids")
+        return self

@@ -1,0 +1,119 @@
+# OpenAI response bodies for /v1/chat/completions and /v1/completions: whole responses,
+# stream chunks, usage and both logprobs shapes, built from the choices' deltas.
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from api.streaming import Choice, Event
+from pipeline.messages import Delta, Sampling, TokenLogprob
+from pipeline.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Job:
+    """One OpenAI request, ready to run: n samplings over one prompt."""
+
+    is_chat: bool
+    response_id: str
+    created: int
+    model: str
+    prompt_ids: list[int]
+    samplings: list[Sampling]
+    include_usage: bool = False
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.samplings[0].logprobs is not None
+
+    def envelope(self, *, is_chunk: bool) -> dict:
+        kind = "chat.completion" if self.is_chat else "text_completion"
+        suffix = ".chunk" if is_chunk and self.is_chat else ""
+        return {"id": self.response_id, "object": kind + suffix, "created": self.created,
+                "model": self.model}
+
+    def usage(self, choices: list[Choice]) -> dict:
+        completion_tokens = sum(len(choice.token_ids) for choice in choices)
+        prompt_tokens = len(self.prompt_ids)  # counted once, however many choices share it
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+
+def whole_response(job: Job, tokenizer: Tokenizer, choices: list[Choice]) -> dict:
+    body = [_choice(job, tokenizer, index, choice) for index, choice in enumerate(choices)]
+    return job.envelope(is_chunk=False) | {"choices": body, "usage": job.usage(choices)}
+
+
+def _choice(job: Job, tokenizer: Tokenizer, index: int, choice: Choice) -> dict:
+    logprobs = _logprobs(job, tokenizer, choice.logprobs, 0) if job.wants_logprobs else None
+    if job.is_chat:
+        content = {"message": {"role": "assistant", "content": choice.text}}
+    else:
+        content = {"text": choice.text}
+    return {"index": index, **content, "logprobs": logprobs, "finish_reason": choice.finish}
+
+
+async def stream_chunks(job: Job, tokenizer: Tokenizer,
+                        events: AsyncIterator[Event]) -> AsyncIterator[dict]:
+    """A chunk per delta that says something; a chat stream opens each choice with its
+    role, and `include_usage` adds a last chunk with usage and no choices."""
+    choices = [Choice() for _ in job.samplings]
+    async with aclosing(events):
+        if job.is_chat:
+            opening = [{"index": index, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None}
+                       for index in range(len(choices))]
+            yield job.envelope(is_chunk=True) | {"choices": opening}
+        async for index, delta in events:
+            text_offset = len(choices[index].text)
+            choices[index].add(delta)
+            if delta.text or delta.logprobs or delta.finish is not None:
+                chunk_choice = _chunk_choice(job, tokenizer, index, delta, text_offset)
+                yield job.envelope(is_chunk=True) | {"choices": [chunk_choice]}
+    if job.include_usage:
+        yield job.envelope(is_chunk=True) | {"choices": [], "usage": job.usage(choices)}
+
+
+def _chunk_choice(job: Job, tokenizer: Tokenizer, index: int, delta: Delta,
+                  text_offset: int) -> dict:
+    logprobs = None
+    if job.wants_logprobs:
+        logprobs = _logprobs(job, tokenizer, delta.logprobs or [], text_offset)
+    content = {"delta": {"content": delta.text}} if job.is_chat else {"text": delta.text}
+    return {"index": index, **content, "logprobs": logprobs, "finish_reason": delta.finish}
+
+
+def _logprobs(job: Job, tokenizer: Tokenizer, logprobs: list[TokenLogprob],
+              text_offset: int) -> dict:
+    if job.is_chat:
+        return chat_logprobs(tokenizer, logprobs)
+    return completion_logprobs(tokenizer, logprobs, text_offset)
+
+
+def chat_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob]) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = tokenizer.token_bytes_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [
+        entry(item.token_id, item.logprob)
+        | {"top_logprobs": [entry(top.token_id, top.logprob) for top in item.top]}
+        for item in logprobs
+    ]}
+
+
+def completion_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob],
+                        text_offset: int) -> dict:
+    """The legacy shape. text_offset counts characters of the tokens' own texts from
+    `text_offset`, the length of the completion text before these tokens."""
+    tokens = [tokenizer.token_bytes_text(item.token_id) for item in logprobs]
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    top = [{tokenizer.token_bytes_text(alt.token_id): alt.logprob for alt in item.top}
+           for item in logprobs]
+    return {"tokens": tokens, "token_logprobs": [item.logprob for item in logprobs],
+            "top_logprobs": top, "text_offset": offsets}

@@ -1,0 +1,47 @@
+# What every route needs from start-up: the served model's name and limits, its
+# tokenizer, and this process's Frontend. Built once by the app's lifespan.
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import Request
+
+from api.frontend import Frontend
+from api.sampling import Limits
+from pipeline.config import ApiConfig
+from pipeline.errors import ConfigError, ModelNotFound
+from pipeline.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Served:
+    model_name: str
+    limits: Limits
+    tokenizer: Tokenizer
+    frontend: Frontend
+    config: ApiConfig
+
+    def check_model(self, requested: str | None) -> None:
+        """A missing model field means the served one, as with single-model servers."""
+        if requested is not None and requested != self.model_name:
+            raise ModelNotFound(
+                f"the model {requested!r} does not exist; this server serves "
+                f"{self.model_name!r}",
+                param="model",
+            )
+
+
+def served(request: Request) -> Served:
+    return request.app.state.served
+
+
+def context_len(model_dir: Path) -> int:
+    """The model's context limit, read from config.json (no transformers import)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    value = config.get("max_position_embeddings")
+    if not isinstance(value, int) or value < 2:
+        raise ConfigError(f"{model_dir}/config.json has no usable max_position_embeddings")
+    return value

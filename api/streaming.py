@@ -1,0 +1,154 @@
+# Running one HTTP request's n choices through the Frontend, merged into one ordered
+# event stream, and serving it as SSE or collecting it whole. Route-shape agnostic.
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from api.errors import sse_error
+from api.frontend import Frontend
+from pipeline.errors import RequestTimeout, error_from_code
+from pipeline.messages import Delta, Sampling, TokenLogprob
+
+Event = tuple[int, Delta]  # (choice index, its next delta)
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class Choice:
+    """One choice's output so far."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish: str | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs or [])
+        self.finish = delta.finish
+
+
+def per_choice(sampling: Sampling, n: int) -> list[Sampling]:
+    """n independent runs; with a seed, choice i gets seed + i so they differ reproducibly."""
+    if sampling.seed is None:
+        return [sampling] * n
+    return [msgspec.structs.replace(sampling, seed=sampling.seed + i) for i in range(n)]
+
+
+async def choice_events(
+    frontend: Frontend, prompt_ids: list[int], samplings: list[Sampling], request_id: str,
+    timeout_s: float,
+) -> AsyncIterator[Event]:
+    """Every choice's deltas as they come; each choice's own deltas stay in order.
+    The first failure of any choice is raised and the other choices are cancelled."""
+    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
+
+    async def run(index: int, sampling: Sampling) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for delta in frontend.generate(prompt_ids, sampling, f"{request_id}-{index}"):
+                    queue.put_nowait((index, delta))
+        except TimeoutError:
+            queue.put_nowait((index, RequestTimeout(f"no answer within {timeout_s:g} s")))
+        except Exception as error:  # handed to the consumer, which raises it
+            queue.put_nowait((index, error))
+        queue.put_nowait((index, None))
+
+    # plain tasks, not the server's cancel scope: a cancelled generate() must still
+    # get its Cancel out to the schedulers
+    tasks = [asyncio.create_task(run(i, s)) for i, s in enumerate(samplings)]
+    try:
+        num_running = len(tasks)
+        while num_running:
+            index, item = await queue.get()
+            if item is None:
+                num_running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def started(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    """Wait for the first event before the 200 goes out, so that a request refused at
+    once (overload, a scheduler's rejection) still gets its real HTTP status."""
+    first = await anext(events)
+
+    async def rest() -> AsyncIterator[Event]:
+        async with aclosing(events):
+            yield first
+            async for event in events:
+                yield event
+
+    return rest()
+
+
+async def collect(request: Request, events: AsyncIterator[Event], n: int) -> list[Choice]:
+    """All choices, whole; stops the work (and so cancels it) if the client goes away."""
+    choices = [Choice() for _ in range(n)]
+
+    async def fill() -> None:
+        async with aclosing(events):
+            async for index, delta in events:
+                choices[index].add(delta)
+
+    work = asyncio.ensure_future(fill())
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            raise error_from_code("cancelled", "the client disconnected")
+        work.result()
+        return choices
+    finally:
+        for task in (work, watch):
+            task.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    """`data: {json}` per chunk, an error event if the stream fails, then [DONE]."""
+    try:
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+    except Exception as error:  # the 200 is already sent: report in-band
+        yield sse_error(error)
+    yield DONE
+
+
+class EventStream(StreamingResponse):
+    """SSE whose generator is always closed when the response ends, however it ends
+    (Starlette leaves it to the garbage collector when the client disconnects)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncIterator[dict]):
+        super().__init__(sse(chunks), headers={"Cache-Control": "no-cache",
+                                               "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()

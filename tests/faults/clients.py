@@ -1,0 +1,79 @@
+"""Streaming clients for fault tests: many concurrent SSE requests, each
+recording its pieces and how long it waited, so a test can count what was
+lost, repeated or stalled."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class Outcome:
+    prompt: str
+    pieces: list[str] = field(default_factory=list)
+    finish: str | None = None
+    error: dict | None = None
+    status: int | None = None
+    max_gap_s: float = 0.0
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+def completion_body(prompt: str, max_tokens: int = 32) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, body: dict,
+                     started: asyncio.Event | None = None) -> Outcome:
+    outcome = Outcome(body["prompt"])
+    last = time.monotonic()
+    async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as resp:
+        outcome.status = resp.status_code
+        if resp.status_code != 200:
+            outcome.error = json.loads(await resp.aread()).get("error")
+            return outcome
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            now = time.monotonic()
+            outcome.max_gap_s, last = max(outcome.max_gap_s, now - last), now
+            if "error" in event:
+                outcome.error = event["error"]
+                continue
+            for choice in event["choices"]:
+                outcome.pieces.append(choice["text"])
+                outcome.finish = choice.get("finish_reason") or outcome.finish
+            if started is not None and len(outcome.pieces) >= 3:
+                started.set()
+    return outcome
+
+
+async def stream_many(url: str, prompts: list[str], max_tokens: int = 32,
+                      started: asyncio.Event | None = None) -> list[Outcome]:
+    limits = httpx.Limits(max_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(limits=limits) as client:
+        return await asyncio.gather(*(stream_one(client, url, completion_body(p, max_tokens),
+                                                 started) for p in prompts))
+
+
+def prompts(n: int) -> list[str]:
+    animals = ["cats", "dogs", "birds", "fish", "horses", "cows", "lions", "bears"]
+    return [f"Here is a long story about {animals[i % 8]} number {i}:" for i in range(n)]
+
+
+def report(name: str, reference: list[Outcome], got: list[Outcome], **extra) -> dict:
+    lost = sum(1 for o in got if o.finish is None)
+    wrong = sum(1 for r, o in zip(reference, got, strict=True) if o.finish and o.text != r.text)
+    figures = {"requests": len(got), "lost": lost, "differing": wrong,
+               "max_stall_s": round(max(o.max_gap_s for o in got), 2)} | extra
+    print(f"\n[{name}] {json.dumps(figures)}")
+    return figures

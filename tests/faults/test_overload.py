@@ -1,0 +1,70 @@
+"""Overload and time: past the queue limit the api answers 503 at once;
+requests past their deadline are not started and say so."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+from pipeline.status import live_workers
+
+
+def test_past_the_queue_limit_the_api_answers_503_with_retry_after_at_once(redis_url, make_tier):
+    tier = make_tier(redis_url, **{"max-running-requests": "2", "max-queued-requests": "4"})
+    tier.start("scheduler")
+    tier.start("detokenizer")
+    url = tier.start_api()
+    tier.wait_ready()
+    body = {"prompt": "Once upon a time", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+
+    async def one(client):
+        t0 = time.monotonic()
+        response = await client.post(f"{url}/v1/completions", json=body, timeout=300)
+        return response, time.monotonic() - t0
+
+    async def main():
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
+            first = [asyncio.create_task(one(client)) for _ in range(12)]
+            await asyncio.sleep(1.5)  # the frontend has seen the queue build up
+            late = await asyncio.gather(*(one(client) for _ in range(8)))
+            return await asyncio.gather(*first), late
+
+    first, late = asyncio.run(main())
+    refused = [(r, s) for r, s in late if r.status_code == 503]
+    assert refused, [r.status_code for r, _ in late]
+    for response, seconds in refused:
+        assert response.headers["retry-after"]
+        assert response.json()["error"]["code"] == "overloaded"
+        assert seconds < 1.0
+    assert all(r.status_code in (200, 503) for r, _ in first + late)
+    print(f"\n[overload] refused={len(refused)}/{len(late)} late requests, "
+          f"slowest refusal {max(s for _, s in refused):.3f}s")
+
+
+def test_a_request_past_its_deadline_is_not_started_and_gets_a_clear_error(redis_url, make_tier):
+    tier = make_tier(redis_url, **{"max-running-requests": "1"})
+    tier.start("scheduler")
+    tier.start("detokenizer")
+    patient = tier.start_api()
+    hasty = tier.start_api(**{"request-timeout": "1"})
+    tier.wait_ready()
+    long = {"prompt": "Count to a thousand:", "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True}
+    short = {"prompt": "Hi", "max_tokens": 4, "temperature": 0}
+
+    async def main():
+        async with httpx.AsyncClient() as client:
+            hog = asyncio.create_task(client.post(f"{patient}/v1/completions", json=long,
+                                                  timeout=120))
+            await asyncio.sleep(1.0)  # the one slot is taken
+            waiting = await client.post(f"{hasty}/v1/completions", json=short, timeout=60)
+            return await hog, waiting
+
+    hog, waiting = asyncio.run(main())
+    assert hog.status_code == 200
+    assert waiting.status_code == 408, waiting.text
+    assert waiting.json()["error"]["code"] == "timeout"
+    [scheduler] = [w for w in live_workers(redis_url, tier.prefix) if w["role"] == "scheduler"]
+    assert scheduler["num_expired"] >= 1  # pulled after its deadline: never started

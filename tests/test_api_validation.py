@@ -1,0 +1,282 @@
+"""Bad input never reaches a scheduler: every kind is a 4xx with an OpenAI-style body,
+never a 500. A real app on the real Redis, no model run needed; the api never loads torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+
+from api.app import CONFIG_ENV, app_from_env, create_app
+from pipeline.config import ApiConfig, Config, RedisConfig
+from pipeline.config_io import config_from_json, config_to_json
+from pipeline.embedded_redis import EmbeddedRedis
+from pipeline.errors import ConfigError
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HELLO = [{"role": "user", "content": "Hello!"}]
+CONTEXT = 8192  # SmolLM2-135M-Instruct's max_position_embeddings
+
+
+@asynccontextmanager
+async def serving(redis_url: str, prefix: str, model_files, **api):
+    config = Config(redis=RedisConfig(url=redis_url, prefix=prefix), api=ApiConfig(**api))
+    app = create_app(config, model_files)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+            yield client
+
+
+@pytest.fixture
+async def client(redis_url, prefix, model_files):
+    async with serving(redis_url, prefix, model_files, max_body_bytes=64 * 1024) as client:
+        yield client
+
+
+def assert_openai_error(response: httpx.Response, status: int, code: str | None = None,
+                        param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["type"]
+    if code is not None:
+        assert error["code"] == code
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+async def test_malformed_json_is_a_400_that_says_so(client):
+    response = await client.post(CHAT, content=b'{"messages": [', headers={
+        "content-type": "application/json"})
+    error = assert_openai_error(response, 400, "invalid_request")
+    assert "JSON" in error["message"]
+
+
+@pytest.mark.parametrize("body", [b"[1, 2]", b'"text"', b"", b"a=b"])
+async def test_a_body_that_is_not_a_json_object_is_a_400(client, body):
+    assert_openai_error(await client.post(CHAT, content=body), 400, "invalid_request")
+
+
+async def test_non_utf8_bytes_are_a_400(client):
+    response = await client.post(COMPLETIONS, content=b'{"prompt": "\xff\xfe\xfa"}',
+                                 headers={"content-type": "application/json"})
+    assert_openai_error(response, 400, "invalid_request")
+
+
+@pytest.mark.parametrize(("path", "field", "value", "param"), [
+    (COMPLETIONS, "max_tokens", "5", "max_tokens"),
+    (COMPLETIONS, "max_tokens", True, "max_tokens"),
+    (COMPLETIONS, "temperature", "hot", "temperature"),
+    (COMPLETIONS, "n", 1.5, "n"),
+    (COMPLETIONS, "stop", 5, "stop"),
+    (COMPLETIONS, "stream", "yes", "stream"),
+    (COMPLETIONS, "prompt", {"text": "hi"}, "prompt"),
+    (CHAT, "messages", "Hello!", "messages"),
+    (CHAT, "messages", [{"role": "wizard", "content": "hi"}], "messages[0].role"),
+    (CHAT, "messages", [{"role": "user"}], "messages[0].content"),
+    (CHAT, "messages", [{"role": "user", "content": [{"type": "image_url"}]}],
+     "messages[0].content"),
+    (CHAT, "logprobs", 3, "logprobs"),
+])
+async def test_wrong_types_are_400s_naming_the_field(client, path, field, value, param):
+    body = {"prompt": "Hello", "messages": HELLO} | {field: value}
+    assert_openai_error(await client.post(path, json=body), 400, "invalid_request", param)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("max_tokens", 0), ("max_tokens", -3), ("temperature", -0.1), ("temperature", 2.5),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("top_k", -2), ("min_p", 1.5),
+    ("frequency_penalty", 3.0), ("presence_penalty", -2.5), ("repetition_penalty", 0.0),
+    ("min_tokens", -1), ("n", 0), ("n", 9), ("stop", [""]), ("stop", ["x"] * 17),
+    ("stop_token_ids", [10**9]), ("seed", 2**63), ("top_logprobs", 21),
+])
+async def test_out_of_range_params_are_400s_naming_the_field(client, field, value):
+    body = {"messages": HELLO, field: value} | ({"logprobs": True} if field == "top_logprobs"
+                                               else {})
+    assert_openai_error(await client.post(CHAT, json=body), 400, "invalid_request", field)
+
+
+async def test_nan_is_not_a_temperature(client):
+    body = b'{"prompt": "Hello", "temperature": NaN}'
+    assert_openai_error(await client.post(COMPLETIONS, content=body), 400, "invalid_request",
+                        "temperature")
+
+
+async def test_completions_logprobs_over_twenty_is_a_400(client):
+    response = await client.post(COMPLETIONS, json={"prompt": "Hello", "logprobs": 21})
+    assert_openai_error(response, 400, "invalid_request", "logprobs")
+
+
+async def test_top_logprobs_without_logprobs_is_a_400(client):
+    response = await client.post(CHAT, json={"messages": HELLO, "top_logprobs": 2})
+    assert_openai_error(response, 400, "invalid_request", "top_logprobs")
+
+
+async def test_an_unknown_model_is_a_404_model_not_found(client):
+    for path in (CHAT, COMPLETIONS):
+        body = {"model": "gpt-4o", "messages": HELLO, "prompt": "Hello"}
+        assert_openai_error(await client.post(path, json=body), 404, "model_not_found", "model")
+
+
+@pytest.mark.parametrize("model", [None, "SmolLM2-135M-Instruct"])
+async def test_the_served_model_name_or_none_passes_the_model_check(client, model):
+    # the request gets past the model check and fails on the next thing wrong with it
+    body = {"messages": HELLO, "temperature": 9.0} | ({"model": model} if model else {})
+    assert_openai_error(await client.post(CHAT, json=body), 400, "invalid_request",
+                        "temperature")
+
+
+async def test_a_prompt_longer_than_the_context_is_context_length_exceeded(client):
+    response = await client.post(COMPLETIONS, json={"prompt": [1] * CONTEXT})
+    assert_openai_error(response, 400, "context_length_exceeded", "prompt")
+    long_chat = [{"role": "user", "content": "word " * CONTEXT}]
+    response = await client.post(CHAT, json={"messages": long_chat})
+    assert_openai_error(response, 400, "context_length_exceeded", "messages")
+
+
+async def test_prompt_plus_max_tokens_over_the_context_is_context_length_exceeded(client):
+    response = await client.post(COMPLETIONS, json={"prompt": [1] * 100, "max_tokens": CONTEXT})
+    assert_openai_error(response, 400, "context_length_exceeded", "max_tokens")
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    (CHAT, {"messages": []}, "messages"),
+    (COMPLETIONS, {"prompt": ""}, "prompt"),
+    (COMPLETIONS, {"prompt": []}, "prompt"),
+    (COMPLETIONS, {"prompt": [[]]}, "prompt"),
+    (COMPLETIONS, {"prompt": ["one", "two"]}, "prompt"),
+    (COMPLETIONS, {"prompt": [5, 10**9]}, "prompt"),
+])
+async def test_empty_batched_or_unknown_token_prompts_are_400s(client, path, body, param):
+    assert_openai_error(await client.post(path, json=body), 400, "invalid_request", param)
+
+
+@pytest.mark.parametrize(("path", "extra", "param"), [
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"logit_bias": {"42": 10.0}}, "logit_bias"),
+    (COMPLETIONS, {"echo": True}, "echo"),
+    (COMPLETIONS, {"best_of": 3}, "best_of"),
+])
+async def test_features_this_server_lacks_are_refused_not_ignored(client, path, extra, param):
+    body = {"messages": HELLO, "prompt": "Hello"} | extra
+    assert_openai_error(await client.post(path, json=body), 400, "invalid_request", param)
+
+
+async def test_a_body_over_the_limit_is_a_413(client):
+    huge = {"prompt": "x" * (65 * 1024)}
+    assert_openai_error(await client.post(COMPLETIONS, json=huge), 413, "payload_too_large")
+
+
+async def test_a_chunked_body_over_the_limit_is_a_413_without_a_content_length(client):
+    async def chunks():
+        for _ in range(100):
+            yield b"x" * 1024
+
+    response = await client.post(COMPLETIONS, content=chunks())
+    assert_openai_error(response, 413, "payload_too_large")
+
+
+@pytest.mark.parametrize(("method", "path", "status", "code"), [
+    ("GET", "/v1/nothing-here", 404, "not_found"),
+    ("POST", "/v2/chat/completions", 404, "not_found"),
+    ("GET", CHAT, 405, "method_not_allowed"),
+    ("DELETE", "/v1/models", 405, "method_not_allowed"),
+])
+async def test_unknown_routes_and_wrong_methods_answer_in_openai_shape(client, method, path,
+                                                                        status, code):
+    assert_openai_error(await client.request(method, path), status, code)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({}, None),
+    ({"text": "hi", "input_ids": [1, 2]}, None),
+    ({"text": ""}, "text"),
+    ({"input_ids": []}, "input_ids"),
+    ({"text": "hi", "sampling_params": {"max_tokens": 4}}, "sampling_params.max_tokens"),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
+    ({"text": "hi", "sampling_params": {"temperature": 3.0}}, "sampling_params.temperature"),
+    ({"text": "hi", "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": CONTEXT}},
+     "sampling_params.max_new_tokens"),
+])
+async def test_native_generate_refuses_bad_input_naming_the_field(client, body, param):
+    error = assert_openai_error(await client.post("/generate", json=body), 400)
+    if param is not None:
+        assert error["param"] == param
+
+
+async def test_models_lists_the_served_model_with_its_context(client):
+    response = await client.get("/v1/models")
+    assert response.status_code == 200
+    [model] = response.json()["data"]
+    assert model["id"] == "SmolLM2-135M-Instruct"
+    assert model["object"] == "model" and model["max_model_len"] == CONTEXT
+
+
+async def test_health_is_200_and_every_response_names_its_frontend(client):
+    response = await client.get("/health")
+    assert response.status_code == 200 and response.json()["status"] == "ok"
+    frontend_id = response.headers["x-pipeline-frontend"]
+    assert frontend_id == response.json()["frontend_id"]
+    failed = await client.post(CHAT, json={"messages": []})
+    assert failed.headers["x-pipeline-frontend"] == frontend_id
+
+
+async def test_health_is_503_when_redis_goes_away(prefix, model_files):
+    redis_server = EmbeddedRedis()
+    url = redis_server.start()
+    try:
+        async with serving(url, prefix, model_files) as client:
+            assert (await client.get("/health")).status_code == 200
+            redis_server.stop()
+            response = await client.get("/health")
+            assert response.status_code == 503
+            assert response.json()["status"] == "unavailable"
+    finally:
+        redis_server.stop()
+
+
+async def test_an_api_key_is_required_everywhere_but_health(redis_url, prefix, model_files):
+    async with serving(redis_url, prefix, model_files, api_key="s3cret") as client:
+        assert (await client.get("/health")).status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            for method, path in (("GET", "/v1/models"), ("POST", CHAT), ("GET", "/nowhere")):
+                response = await client.request(method, path, headers=headers, json={})
+                assert_openai_error(response, 401, "unauthorized")
+        good = {"Authorization": "Bearer s3cret"}
+        assert (await client.get("/v1/models", headers=good)).status_code == 200
+        response = await client.post(CHAT, headers=good, json={"messages": []})
+        assert_openai_error(response, 400, "invalid_request", "messages")
+
+
+def test_config_survives_a_json_round_trip():
+    config = Config(model="/models/x", redis=RedisConfig(prefix="p", heartbeat_s=0.5),
+                    api=ApiConfig(api_key="k", max_n=3, frontend_id=None))
+    assert config_from_json(config_to_json(config)) == config
+    assert config_from_json('{"api": {"port": 9001}}') == Config(api=ApiConfig(port=9001))
+    with pytest.raises(ConfigError, match="port"):
+        config_from_json('{"api": {"port": "many"}}')
+
+
+def test_app_from_env_builds_the_app_from_the_config_variable(monkeypatch, model_files):
+    config = Config(model=str(model_files.path), api=ApiConfig(max_n=2))
+    monkeypatch.setenv(CONFIG_ENV, config_to_json(config))
+    paths = {route.path for route in app_from_env().routes}
+    assert {CHAT, COMPLETIONS, "/v1/models", "/health", "/generate"} <= paths
+    monkeypatch.delenv(CONFIG_ENV)
+    with pytest.raises(ConfigError, match=CONFIG_ENV):
+        app_from_env()
+
+
+def test_the_api_process_never_imports_torch():
+    code = ("import sys, api.app; from pipeline.config import Config; "
+            "api.app.create_app(Config()); assert 'torch' not in sys.modules, 'torch loaded'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

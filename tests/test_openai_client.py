@@ -1,0 +1,33 @@
+"""The official openai package against a running tier, streaming and not."""
+
+from __future__ import annotations
+
+import openai
+
+
+def test_openai_client_streams_and_completes_identically(tier):
+    client = openai.OpenAI(base_url=f"{tier.base_url}/v1", api_key="unused", timeout=120)
+    [model] = [m.id for m in client.models.list().data]
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = client.chat.completions.create(model=model, messages=messages, temperature=0,
+                                           max_tokens=20)
+    text = whole.choices[0].message.content
+    assert "Paris" in text
+    stream = client.chat.completions.create(model=model, messages=messages, temperature=0,
+                                            max_tokens=20, stream=True)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream
+                   if chunk.choices) == text
+    legacy = client.completions.create(model=model, prompt="The capital of France is",
+                                       max_tokens=5, temperature=0)
+    assert legacy.choices[0].text and legacy.usage.completion_tokens <= 5
+
+
+def test_openai_client_sees_errors_as_openai_errors(tier):
+    client = openai.OpenAI(base_url=f"{tier.base_url}/v1", api_key="unused", timeout=60)
+    try:
+        client.chat.completions.create(model="no-such-model", messages=[
+            {"role": "user", "content": "hi"}])
+    except openai.NotFoundError as error:
+        assert error.status_code == 404
+    else:
+        raise AssertionError("an unknown model must be refused")
