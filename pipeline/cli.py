@@ -64,7 +64,7 @@ def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: in
         redis=RedisConfig(url=redis_url, prefix=prefix, alive_ttl_s=alive_ttl_s,
                           heartbeat_s=min(1.0, alive_ttl_s / 4)),
         api=ApiConfig(host=host, port=port, api_key=api_key, request_timeout_s=request_timeout,
-                      max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s),
+                      max_queued_requests=max_queued_requests),
         scheduler=SchedulerConfig(max_running_requests=max_running_requests,
                                   max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb,
                                   dtype=dtype, device=device, num_threads=num_threads),
@@ -167,6 +167,17 @@ def status(redis_url: RedisUrl = "redis://127.0.0.1:6379/0", prefix: Prefix = "p
     from pipeline.status import print_status
 
     raise typer.Exit(print_status(redis_url or "redis://127.0.0.1:6379/0", prefix))
+
+
+@app.command()
+def acl(prefix: Prefix = "pipeline",
+        password: Annotated[str, typer.Option(help="Password for every role's user.")]
+        = "change-me") -> None:
+    """Print the ACL SETUSER lines giving each role only the keys and commands it needs."""
+    from pipeline.acl import acl_lines
+
+    for line in acl_lines(prefix, password):
+        typer.echo(line)
 
 
 def main() -> None:

@@ -3,6 +3,7 @@ never a 500. A real app on the real Redis, no model run needed; the api never lo
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from contextlib import asynccontextmanager
@@ -27,6 +28,9 @@ async def serving(redis_url: str, prefix: str, model_files, **api):
     config = Config(redis=RedisConfig(url=redis_url, prefix=prefix), api=ApiConfig(**api))
     app = create_app(config, model_files)
     async with app.router.lifespan_context(app):
+        # let the Frontend's background loops connect first: a cancel that lands while
+        # redis-py is connecting gets lost, and Frontend.stop() then waits forever
+        await asyncio.sleep(0.2)
         transport = httpx.ASGITransport(app)
         async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
             yield client

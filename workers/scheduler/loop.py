@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import msgspec
 
 from pipeline.config import Config
-from pipeline.errors import RETRY, PipelineError, RequestTimeout
+from pipeline.errors import RETRY, InvalidRequest, PipelineError, RequestTimeout
 from pipeline.messages import (
     Cancel,
     Failed,
@@ -41,7 +41,7 @@ from workers.text import find_stop, stop_window
 
 log = logging.getLogger("pipeline.scheduler")
 MAX_ATTEMPTS = 3  # a request whose scheduler dies this many times is poison
-ADMITTED_TTL_S = 3600
+ADMITTED_TTL_S = 120  # retried XADDs arrive within seconds; keys must not pile up
 
 
 @dataclass
@@ -188,6 +188,7 @@ class Scheduler:
             if submit.deadline_ms is not None and submit.deadline_ms < time.time() * 1000:
                 self.num_expired += 1
                 raise RequestTimeout("the request expired before a scheduler could start it")
+            self.check(submit)
             self.engine.add(EngineRequest(submit.request_id, submit.prompt_ids,
                                           list(submit.output_ids), submit.sampling))
         except PipelineError as error:
@@ -196,6 +197,14 @@ class Scheduler:
             self.to_ack.append(entry_id)
             return
         self.running[submit.request_id] = Running(submit, entry_id, list(submit.output_ids))
+
+    def check(self, submit: Submit) -> None:
+        """Entries can be written by anyone with access to Redis: trust nothing."""
+        ids = submit.prompt_ids + submit.output_ids
+        if not submit.prompt_ids or not all(0 <= i < self.tokenizer.vocab_size for i in ids):
+            raise InvalidRequest(f"token ids must be in [0, {self.tokenizer.vocab_size})")
+        if submit.sampling.max_tokens < 1:
+            raise InvalidRequest("max_tokens must be at least 1")
 
     def output_for(self, result: StepResult) -> StepOutput | None:
         run = self.running.get(result.request_id)

@@ -1,0 +1,259 @@
+"""Our `pipeline serve` against transformers `generate` on the same prompts: output tok/s at
+concurrency (ours) or static batch (transformers) 1, 16 and 64, and per-token latency at 1.
+Writes bench/results/serving.{json,md,png}.  Run: .venv/bin/python bench/serving_bench.py"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+
+from pipeline.bench import BenchOptions, make_prompts, run_bench
+from pipeline.models import DEFAULT_MODEL, resolve_model
+
+LEVELS = {1: 8, 16: 32, 64: 64}  # concurrency or batch size -> requests at that level
+PROMPT_WORDS, MAX_TOKENS, SEED = 24, 64, 0
+DTYPE = "bfloat16"  # both sides
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+COMMAND = ".venv/bin/python bench/serving_bench.py"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(port: int, log_path: Path, deadline_s: float = 600) -> subprocess.Popen:
+    """`pipeline serve` as a child; returns once it printed its "serving" line and /health
+    answers. The first run converts the model, hence the long deadline."""
+    cmd = [sys.executable, "-m", "pipeline.cli", "serve", "--port", str(port),
+           "--dtype", DTYPE, "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    serving = threading.Event()
+
+    def copy_output() -> None:
+        with log_path.open("w") as log:
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()
+                if "serving" in line:
+                    serving.set()
+
+    threading.Thread(target=copy_output, daemon=True).start()
+    deadline = time.monotonic() + deadline_s
+    while not serving.wait(0.5):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_server(proc)
+            raise RuntimeError(f"pipeline serve did not come up; see {log_path}")
+    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code != 200:
+        stop_server(proc)
+        raise RuntimeError("pipeline serve printed its serving line but /health is not 200")
+    return proc
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def bench_options(base_url: str, level: int, num_requests: int) -> BenchOptions:
+    return BenchOptions(base_url=base_url, num_requests=num_requests, concurrency=level,
+                        prompt_words=PROMPT_WORDS, max_tokens=MAX_TOKENS, ignore_eos=True,
+                        temperature=0.0, model=DEFAULT_MODEL, seed=SEED)
+
+
+def measure_ours() -> dict[int, dict]:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    proc = start_server(port, RESULTS / "serving-server.log")
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        run_bench(bench_options(base_url, 4, 4))  # warm-up
+        summaries = {}
+        for level, num_requests in LEVELS.items():
+            summaries[level] = run_bench(bench_options(base_url, level, num_requests))
+            print(f"ours  level {level:>2}: {summaries[level]['output_throughput']:.1f} tok/s, "
+                  f"{summaries[level]['failed']} failed", flush=True)
+        return summaries
+    finally:
+        stop_server(proc)
+
+
+def load_transformers():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(DEFAULT_MODEL).path
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, DTYPE)).eval()
+    return tokenizer, model
+
+
+def generate_batch(tokenizer, model, prompts: list[str]) -> tuple[float, int, list[float]]:
+    """One static batch, greedy, exactly MAX_TOKENS new tokens each (like ignore_eos).
+    Returns (seconds, new tokens, gaps between decode steps in seconds)."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class StepClock(LogitsProcessor):  # called once per generated token, batch-wide
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    clock = StepClock()
+    inputs = tokenizer(prompts, return_tensors="pt", padding=True)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        output = model.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                                do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                                logits_processor=LogitsProcessorList([clock]))
+    elapsed_s = time.perf_counter() - started
+    new_tokens = (output.shape[1] - inputs["input_ids"].shape[1]) * len(prompts)
+    gaps = [later - earlier for earlier, later in itertools.pairwise(clock.times)]
+    return elapsed_s, new_tokens, gaps
+
+
+def measure_transformers() -> dict[int, dict]:
+    tokenizer, model = load_transformers()
+    generate_batch(tokenizer, model, make_prompts(2, PROMPT_WORDS, SEED + 99))  # warm-up
+    stats = {}
+    for level, num_requests in LEVELS.items():
+        prompts = make_prompts(num_requests, PROMPT_WORDS, SEED)  # what run_bench sent
+        elapsed_s, new_tokens, gaps = 0.0, 0, []
+        for start in range(0, num_requests, level):
+            seconds, tokens, batch_gaps = generate_batch(tokenizer, model,
+                                                         prompts[start:start + level])
+            elapsed_s, new_tokens = elapsed_s + seconds, new_tokens + tokens
+            gaps += batch_gaps
+        stats[level] = {"output_throughput": new_tokens / elapsed_s, "elapsed_s": elapsed_s,
+                        "output_tokens": new_tokens,
+                        "per_token_ms_p50": 1000 * sorted(gaps)[len(gaps) // 2]}
+        print(f"transformers batch {level:>2}: {stats[level]['output_throughput']:.1f} tok/s",
+              flush=True)
+    return stats
+
+
+def targets(levels: list[dict]) -> list[dict]:
+    by_level = {entry["level"]: entry for entry in levels}
+    itl = by_level[1]["ours"]["itl_ms"]["p50"]
+    per_token = by_level[1]["transformers"]["per_token_ms_p50"]
+    return [
+        *({"name": f"C={level} tok/s ratio >= 3", "value": by_level[level]["ratio"],
+           "met": by_level[level]["ratio"] >= 3} for level in (64, 16)),
+        {"name": "C=1 our ITL p50 <= 0.15 x transformers per-token time at batch 1",
+         "value": None if itl is None else itl / per_token,
+         "met": itl is not None and itl <= 0.15 * per_token},
+    ]
+
+
+def build_record(ours: dict[int, dict], theirs: dict[int, dict]) -> dict:
+    import torch
+    import transformers
+
+    levels = [{"level": level, "num_requests": LEVELS[level], "ours": ours[level],
+               "transformers": theirs[level],
+               "ratio": ours[level]["output_throughput"] / theirs[level]["output_throughput"]}
+              for level in LEVELS]
+    return {
+        "command": COMMAND, "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version(), "torch": torch.__version__,
+                    "transformers": transformers.__version__},
+        "settings": {"model": DEFAULT_MODEL, "dtype": DTYPE, "prompt_words": PROMPT_WORDS,
+                     "max_tokens": MAX_TOKENS, "greedy": True, "ignore_eos": True,
+                     "endpoint": "completions (plain-text prompts on both sides)",
+                     "levels": LEVELS},
+        "levels": levels, "targets": targets(levels),
+    }
+
+
+def markdown(record: dict) -> str:
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    lines = ["| level | ours tok/s | transformers tok/s | ratio | our TTFT p50 ms "
+             "| our ITL p50 ms | our TPOT p50 ms | failed |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for entry in record["levels"]:
+        ours = entry["ours"]
+        lines.append(
+            f"| {entry['level']} | {ours['output_throughput']:.1f} "
+            f"| {entry['transformers']['output_throughput']:.1f} | {entry['ratio']:.2f}x "
+            f"| {ms(ours['ttft_ms']['p50'])} | {ms(ours['itl_ms']['p50'])} "
+            f"| {ms(ours['tpot_ms']['p50'])} | {ours['failed']} |")
+    per_token = record["levels"][0]["transformers"]["per_token_ms_p50"]
+    lines += ["", f"transformers per-token time at batch 1 (p50 decode step): {per_token:.1f} ms",
+              ""]
+    for target in record["targets"]:
+        value = "-" if target["value"] is None else f"{target['value']:.2f}"
+        lines.append(f"- {'met' if target['met'] else 'NOT met'}: {target['name']} ({value})")
+    settings = record["settings"]
+    lines += ["", f"Made by `{record['command']}` at {record['created']} on "
+              f"{record['machine']['cpus']} CPUs ({record['machine']['platform']}): "
+              f"{settings['model']} {settings['dtype']}, {settings['prompt_words']}-word prompts, "
+              f"{settings['max_tokens']} output tokens, greedy, ignore_eos; ours at concurrency "
+              f"= level, transformers as static batches of that size, left-padded.", ""]
+    return "\n".join(lines)
+
+
+def plot(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [str(entry["level"]) for entry in record["levels"]]
+    ours = [entry["ours"]["output_throughput"] for entry in record["levels"]]
+    theirs = [entry["transformers"]["output_throughput"] for entry in record["levels"]]
+    positions = range(len(labels))
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    axes.bar([p - 0.2 for p in positions], ours, width=0.4, label="pipeline serve")
+    axes.bar([p + 0.2 for p in positions], theirs, width=0.4, label="transformers generate")
+    for p, entry, height in zip(positions, record["levels"], ours, strict=True):
+        axes.annotate(f"{entry['ratio']:.1f}x", (p - 0.2, height), ha="center", va="bottom")
+    axes.set_xticks(list(positions), labels)
+    axes.set_xlabel("concurrency (ours) / static batch size (transformers)")
+    axes.set_ylabel("output tokens/s")
+    axes.set_title(f"{record['settings']['model']}, {record['machine']['cpus']} CPUs")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main() -> None:
+    ours = measure_ours()  # first, and alone: the server's processes are gone before torch runs
+    theirs = measure_transformers()
+    record = build_record(ours, theirs)
+    (RESULTS / "serving.json").write_text(json.dumps(record, indent=2))
+    (RESULTS / "serving.md").write_text(markdown(record))
+    plot(record, RESULTS / "serving.png")
+    print(markdown(record))
+
+
+if __name__ == "__main__":
+    main()

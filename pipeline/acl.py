@@ -1,0 +1,31 @@
+"""The least a role's Redis user needs: its keys and its commands, per prefix.
+`pipeline acl` prints these as ACL SETUSER lines for an operator to apply."""
+
+from __future__ import annotations
+
+_COMMON = ["ping", "hello", "client|setinfo", "client|setname", "info", "select",
+           "set", "exists", "get", "mget", "scan", "xinfo", "xrange", "xrevrange", "xlen"]
+_GROUP_READER = ["xreadgroup", "xack", "xgroup", "xclaim", "xpending", "xtrim"]
+
+ROLES: dict[str, tuple[list[str], list[str]]] = {
+    # role: (key patterns under the prefix, commands)
+    "api": (["requests", "control", "replies:*", "alive:*"],
+            _COMMON + ["xadd", "xread", "pexpire", "del"]),
+    "scheduler": (["requests", "control", "tokens", "alive:*", "admitted:*", "dead"],
+                  _COMMON + _GROUP_READER + ["xadd", "xread"]),
+    "detokenizer": (["tokens", "replies:*", "alive:*", "dead"],
+                    _COMMON + _GROUP_READER + ["xadd"]),
+}
+
+
+def acl_rules(role: str, prefix: str, password: str) -> list[str]:
+    """Arguments of `ACL SETUSER {role}-user ...` for one role."""
+    patterns, commands = ROLES[role]
+    return (["on", f">{password}", "resetkeys", "-@all"]
+            + [f"~{prefix}:{pattern}" for pattern in patterns]
+            + [f"+{command}" for command in commands])
+
+
+def acl_lines(prefix: str, password: str) -> list[str]:
+    return [f"ACL SETUSER pipeline-{role} " + " ".join(acl_rules(role, prefix, password))
+            for role in ROLES]

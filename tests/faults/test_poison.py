@@ -1,0 +1,98 @@
+"""Hostile stream entries: garbage is dead-lettered with its reason, a
+well-formed but impossible request fails back to its frontend, and the
+workers go on serving."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import msgspec
+import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.messages import (
+    FIELD,
+    Sampling,
+    Submit,
+    control_decoder,
+    encode,
+    replies_decoder,
+    requests_decoder,
+    tokens_decoder,
+)
+from pipeline.streams import Keys
+
+DECODERS = [requests_decoder, control_decoder, tokens_decoder, replies_decoder]
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw=st.binary(max_size=512))
+def test_decoders_reject_arbitrary_bytes_with_a_decode_error_only(raw):
+    for decoder in DECODERS:
+        try:
+            decoder.decode(raw)
+        except msgspec.DecodeError:
+            pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**63 - 1) | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner,
+                                                                 max_size=5), max_leaves=20))
+def test_decoders_reject_wrongly_shaped_msgpack_with_a_decode_error_only(value):
+    raw = msgspec.msgpack.encode(value)
+    for decoder in DECODERS:
+        try:
+            decoder.decode(raw)
+        except msgspec.DecodeError:
+            pass
+
+
+def _wait(condition, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (value := condition()):
+            return value
+        time.sleep(0.1)
+    raise TimeoutError
+
+
+def test_garbage_entries_are_dead_lettered_and_the_tier_keeps_serving(tier):
+    keys = Keys(tier.prefix)
+    client = redis.Redis.from_url(tier.redis_url)
+    before = client.xlen(keys.dead_letters) if client.exists(keys.dead_letters) else 0
+    client.xadd(keys.requests, {FIELD: b"\xc1 not msgpack"})
+    client.xadd(keys.tokens, {FIELD: encode({"type": "tokens", "outputs": "nope"})})
+    client.xadd(keys.requests, {"unexpected": b"field"})
+    _wait(lambda: client.xlen(keys.dead_letters) >= before + 3)
+    reasons = [fields[b"reason"].decode() for _, fields in client.xrange(keys.dead_letters)]
+    assert all(reasons)
+    print(f"\n[poison] dead-lettered {len(reasons) - before}: {reasons[-3:]}")
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    assert httpx.post(f"{tier.base_url}/v1/completions", json=body, timeout=60).status_code == 200
+
+
+def test_an_impossible_request_written_straight_to_redis_fails_back_to_its_sender(tier):
+    keys = Keys(tier.prefix)
+    client = redis.Redis.from_url(tier.redis_url)
+    reply_to = keys.replies("test-sender")
+    client.xadd(reply_to, {"hello": "x"})
+    bad = Submit(request_id="bad-1", reply_to=reply_to, prompt_ids=[10**9, -5],
+                 sampling=Sampling(max_tokens=4))
+    client.xadd(keys.requests, {FIELD: encode(bad)})
+
+    def failure():
+        for _, fields in client.xrange(reply_to):
+            if FIELD in fields:
+                batch = replies_decoder.decode(fields[FIELD])
+                if batch.failures:
+                    return batch.failures[0]
+        return None
+
+    failed = _wait(failure)
+    assert failed.request_id == "bad-1" and failed.code == "invalid_request"
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    assert httpx.post(f"{tier.base_url}/v1/completions", json=body, timeout=60).status_code == 200

@@ -1,0 +1,48 @@
+"""Security: each role runs with only its documented ACL, and an API key
+guards every route but health."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import redis
+
+from pipeline.acl import acl_lines
+
+
+def test_every_role_serves_with_only_its_documented_acl(own_redis7, make_tier):
+    admin = own_redis7.client()
+    tier = make_tier(own_redis7.url)
+    for line in acl_lines(tier.prefix, "s3cret"):
+        admin.execute_command(*line.split())
+    as_role = {role: f"redis://pipeline-{role}:s3cret@127.0.0.1:{own_redis7.port}/0"
+               for role in ("api", "scheduler", "detokenizer")}
+    tier.start("scheduler", **{"redis-url": as_role["scheduler"]})
+    tier.start("detokenizer", **{"redis-url": as_role["detokenizer"]})
+    url = tier.start_api(**{"redis-url": as_role["api"]})
+    tier.wait_ready()
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+    api_user = redis.Redis.from_url(as_role["api"])
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        api_user.xrange(f"{tier.prefix}:tokens")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        api_user.get("some-other-tenant:key")
+
+
+def test_an_api_key_guards_every_route_but_health(redis_url, make_tier):
+    tier = make_tier(redis_url)
+    tier.start("scheduler")
+    tier.start("detokenizer")
+    url = tier.start_api(**{"api-key": "k-123"})
+    tier.wait_ready()
+    body = {"prompt": "Hi", "max_tokens": 2}
+    assert httpx.get(f"{url}/health").status_code == 200
+    denied = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert denied.status_code == 401 and denied.json()["error"]["code"] == "unauthorized"
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    wrong = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    ok = httpx.post(f"{url}/v1/completions", json=body, timeout=60,
+                    headers={"Authorization": "Bearer k-123"})
+    assert ok.status_code == 200

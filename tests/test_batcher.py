@@ -1,0 +1,134 @@
+"""Continuous batching policy, without torch or a model: FCFS admission,
+per-step token budget with chunked prefill, slot limits, preemption."""
+
+from __future__ import annotations
+
+from pipeline.messages import Sampling
+from workers.scheduler.batcher import Batcher, StepPlan
+from workers.scheduler.blocks import BlockAllocator
+from workers.scheduler.sequence import Sequence, Status
+
+SIZE = 4
+
+
+def make(num_blocks: int = 64, max_running: int = 8, max_tokens: int = 32) -> Batcher:
+    return Batcher(BlockAllocator(num_blocks, SIZE), max_running, max_tokens)
+
+
+def seq(request_id: str, num_prompt: int, arrival: int = 0) -> Sequence:
+    """Prompts of different arrivals share no tokens, so no prefix reuse between them."""
+    first = 1000 * arrival
+    return Sequence(request_id, list(range(first, first + num_prompt)), num_prompt, Sampling(), 0,
+                    arrival)
+
+
+def finish_step(batcher: Batcher, plan: StepPlan, new_token: int = 7) -> None:
+    """What the engine does after the model ran: count computed tokens, append samples."""
+    for chunk in plan.chunks:
+        chunk.seq.num_computed += chunk.num_tokens
+        batcher.allocator.cache_full_blocks(chunk.seq.request_id, chunk.seq.token_ids,
+                                            chunk.seq.num_computed)
+        if chunk.samples:
+            chunk.seq.token_ids.append(new_token)
+
+
+def test_a_new_request_is_prefilled_whole_when_it_fits_the_budget():
+    batcher = make()
+    batcher.add(seq("a", 10))
+    plan = batcher.schedule()
+    assert [(c.seq.request_id, c.start, c.num_tokens, c.samples) for c in plan.chunks] == [
+        ("a", 0, 10, True)]
+    assert plan.positions() == list(range(10))
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_within_the_token_budget():
+    batcher = make(max_tokens=8)
+    batcher.add(seq("a", 20))
+    sizes = []
+    for _ in range(3):
+        plan = batcher.schedule()
+        sizes.append([(c.start, c.num_tokens, c.samples) for c in plan.chunks])
+        finish_step(batcher, plan)
+    assert sizes == [[(0, 8, False)], [(8, 8, False)], [(16, 4, True)]]
+    assert batcher.schedule().chunks[0].num_tokens == 1  # now decoding
+
+
+def test_requests_join_and_leave_every_step_with_decodes_first():
+    batcher = make(max_tokens=16)
+    batcher.add(seq("a", 6))
+    finish_step(batcher, plan := batcher.schedule())
+    batcher.add(seq("b", 30, arrival=1))
+    plan = batcher.schedule()
+    assert [(c.seq.request_id, c.num_tokens) for c in plan.chunks] == [("a", 1), ("b", 15)]
+    assert plan.num_tokens == 16
+    finish_step(batcher, plan)
+    batcher.finish(batcher.running[0])
+    plan = batcher.schedule()
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in plan.chunks] == [("b", 15, 15)]
+
+
+def test_admission_is_first_come_first_served_and_capped_by_max_running():
+    batcher = make(max_running=2, max_tokens=100)
+    for i in range(3):
+        batcher.add(seq(f"r{i}", 5, arrival=i))
+    plan = batcher.schedule()
+    assert [c.seq.request_id for c in plan.chunks] == ["r0", "r1"]
+    assert [s.request_id for s in batcher.waiting] == ["r2"]
+
+
+def test_the_head_of_the_queue_is_not_overtaken_when_its_blocks_are_short():
+    batcher = make(num_blocks=4, max_tokens=100)
+    batcher.add(seq("big", 20))
+    batcher.add(seq("small", 2, arrival=1))
+    assert batcher.schedule().chunks == []
+    assert len(batcher.waiting) == 2
+
+
+def test_running_out_of_blocks_preempts_the_newest_and_requeues_it_first():
+    batcher = make(num_blocks=2, max_tokens=100)
+    batcher.add(seq("old", 4))
+    batcher.add(seq("new", 4, arrival=1))
+    finish_step(batcher, batcher.schedule())  # each holds one full block, then samples a 5th
+    plan = batcher.schedule()
+    assert [c.seq.request_id for c in plan.chunks] == ["old"]
+    assert batcher.num_preemptions == 1
+    victim = batcher.waiting[0]
+    assert (victim.request_id, victim.status, victim.num_computed) == ("new", Status.WAITING, 0)
+    assert victim.token_ids == [1000, 1001, 1002, 1003, 7]  # kept for the recompute
+
+
+def test_a_preempted_request_resumes_once_blocks_come_back():
+    batcher = make(num_blocks=2, max_tokens=100)
+    batcher.add(seq("old", 4))
+    batcher.add(seq("new", 4, arrival=1))
+    finish_step(batcher, batcher.schedule())
+    batcher.schedule()
+    batcher.finish(batcher.running[0])
+    plan = batcher.schedule()
+    # its cached block was evicted to let "old" grow: prompt and sampled token are recomputed
+    assert [(c.seq.request_id, c.start, c.num_tokens, c.samples) for c in plan.chunks] == [
+        ("new", 0, 5, True)]
+
+
+def test_abort_removes_a_request_wherever_it_is():
+    batcher = make(max_running=1)
+    batcher.add(seq("running", 5))
+    batcher.add(seq("waiting", 5, arrival=1))
+    batcher.schedule()
+    free = batcher.allocator.num_free_blocks
+    assert batcher.abort("waiting").request_id == "waiting"
+    assert batcher.abort("running").request_id == "running"
+    assert batcher.allocator.num_free_blocks == free + 2
+    assert batcher.abort("unknown") is None
+    assert not batcher.running and not batcher.waiting
+
+
+def test_decodes_beyond_the_token_budget_wait_for_the_next_step():
+    batcher = make(max_tokens=2)
+    for i in range(3):
+        batcher.add(seq(f"r{i}", 2, arrival=i))
+    for _ in range(3):
+        finish_step(batcher, batcher.schedule())
+    assert all(s.is_decoding for s in batcher.running)
+    plan = batcher.schedule()
+    assert [c.seq.request_id for c in plan.chunks] == ["r0", "r1"]

@@ -1,0 +1,152 @@
+# The bench client against a real HTTP server: a tiny OpenAI-compatible peer, run by
+# uvicorn in a thread, that streams a known number of chunks with known delays.
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import socket
+import threading
+import time
+
+import pytest
+import typer
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from typer.testing import CliRunner
+
+from pipeline.bench import BenchOptions, Endpoint, bench_command, make_prompts, run_bench
+
+NUM_CHUNKS = 5
+TOKENS_PER_CHUNK = 2  # what the peer's usage claims, so usage and chunk counts differ
+FIRST_DELAY_S = 0.2
+GAP_S = 0.05
+PROMPT_TOKENS = 7
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def peer_chunks(is_chat: bool, with_usage: bool):
+    for index in range(NUM_CHUNKS):
+        await asyncio.sleep(FIRST_DELAY_S if index == 0 else GAP_S)
+        choice = {"index": 0, "delta": {"content": f"w{index}"}} if is_chat else {
+            "index": 0, "text": f"w{index}"}
+        yield sse({"object": "chunk", "choices": [choice]})
+    if with_usage:
+        usage = {"prompt_tokens": PROMPT_TOKENS,
+                 "completion_tokens": NUM_CHUNKS * TOKENS_PER_CHUNK}
+        yield sse({"object": "chunk", "choices": [], "usage": usage})
+    yield sse("[DONE]")
+
+
+def peer_app() -> FastAPI:
+    """Model "peer" reports usage; "no-usage" does not; "flaky" fails every other request."""
+    app = FastAPI()
+    numbers = itertools.count()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "peer", "object": "model"}]}
+
+    async def generate(request: Request, is_chat: bool):
+        body = await request.json()
+        if body["model"] == "flaky" and next(numbers) % 2 == 1:
+            return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+        with_usage = body["model"] != "no-usage" and body["stream_options"]["include_usage"]
+        return StreamingResponse(peer_chunks(is_chat, with_usage),
+                                 media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, is_chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await generate(request, is_chat=True)
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def peer_url():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(peer_app(), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(timeout=5)
+    sock.close()
+
+
+def test_prompts_are_reproducible_and_differ_from_their_first_words():
+    prompts = make_prompts(64, 24, seed=0)
+    assert prompts == make_prompts(64, 24, seed=0)
+    assert prompts != make_prompts(64, 24, seed=1)
+    assert all(len(prompt.split()) == 24 for prompt in prompts)
+    assert len({tuple(prompt.split()[:3]) for prompt in prompts}) == 64
+
+
+def test_bench_counts_tokens_from_usage_and_times_the_first_token(peer_url):
+    summary = run_bench(BenchOptions(base_url=peer_url, num_requests=4, concurrency=2,
+                                     max_tokens=NUM_CHUNKS * TOKENS_PER_CHUNK))
+    assert summary["model"] == "peer"  # discovered from GET /v1/models
+    assert (summary["completed"], summary["failed"]) == (4, 0)
+    assert summary["total_output_tokens"] == 4 * NUM_CHUNKS * TOKENS_PER_CHUNK
+    assert summary["total_input_tokens"] == 4 * PROMPT_TOKENS
+    assert summary["ttft_ms"]["p50"] >= FIRST_DELAY_S * 1000
+    assert summary["itl_ms"]["p50"] >= GAP_S * 1000 / 2
+    assert summary["tpot_ms"]["mean"] < summary["itl_ms"]["mean"]  # two tokens per chunk
+    assert summary["e2e_ms"]["p99"] >= (FIRST_DELAY_S + (NUM_CHUNKS - 1) * GAP_S) * 1000
+
+
+def test_bench_counts_content_chunks_when_the_server_sends_no_usage(peer_url):
+    summary = run_bench(BenchOptions(base_url=f"{peer_url}/v1", num_requests=3,
+                                     model="no-usage", endpoint=Endpoint.chat))
+    assert summary["completed"] == 3
+    assert summary["total_output_tokens"] == 3 * NUM_CHUNKS
+    assert summary["total_input_tokens"] is None
+
+
+def test_bench_counts_server_errors_as_failed_requests(peer_url):
+    summary = run_bench(BenchOptions(base_url=peer_url, num_requests=6, concurrency=1,
+                                     model="flaky"))
+    assert (summary["completed"], summary["failed"]) == (3, 3)
+    assert summary["total_output_tokens"] == 3 * NUM_CHUNKS * TOKENS_PER_CHUNK
+    assert any(error.startswith("HTTP 500") for error in summary["errors"])
+
+
+def test_bench_counts_an_unreachable_server_as_failures_not_a_crash():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"  # bound, never listening
+        summary = run_bench(BenchOptions(base_url=url, num_requests=2, model="peer"))
+    assert (summary["completed"], summary["failed"]) == (0, 2)
+    assert summary["ttft_ms"]["p50"] is None
+
+
+def test_bench_command_writes_json_with_the_documented_keys(peer_url, tmp_path):
+    app = typer.Typer()
+    app.command("bench")(bench_command)
+    path = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["--base-url", peer_url, "--num-requests", "3",
+                                      "--request-rate", "20", "--ignore-eos",
+                                      "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "TTFT" in result.output
+    summary = json.loads(path.read_text())
+    assert set(summary) == {
+        "options", "model", "completed", "failed", "errors", "duration_s",
+        "total_input_tokens", "total_output_tokens", "request_throughput",
+        "output_throughput", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"}
+    assert set(summary["itl_ms"]) == {"mean", "p50", "p90", "p99"}
+    assert summary["options"]["ignore_eos"] is True
+    assert summary["options"]["request_rate"] == 20

@@ -1,0 +1,195 @@
+"""The engine on the real model (fp32 so greedy output can equal transformers'):
+continuous batching, chunked prefill, preemption, prefix reuse, abort, seeds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pipeline.config import SchedulerConfig
+from pipeline.errors import ContextLengthExceeded
+from pipeline.messages import Sampling
+from workers.scheduler.engine import Engine, EngineRequest
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity in one sentence.",
+    "List three colors.",
+    "Give me a short tip for learning to cook pasta well at home.",
+    "Hi",
+]
+NUM_NEW = 12
+GREEDY = Sampling(max_tokens=NUM_NEW, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_files):
+    return AutoTokenizer.from_pretrained(model_files.path)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer) -> list[list[int]]:
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                          add_generation_prompt=True, tokenize=True)["input_ids"]
+            for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference(model_files, prompt_ids) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, alone."""
+    model = AutoModelForCausalLM.from_pretrained(model_files.path, dtype=torch.float32)
+    outputs = []
+    for ids in prompt_ids:
+        out = model.generate(torch.tensor([ids]), max_new_tokens=NUM_NEW, do_sample=False)
+        outputs.append(out[0, len(ids):].tolist())
+    return outputs
+
+
+def make_engine(model_files, **overrides) -> Engine:
+    return Engine(model_files.path, SchedulerConfig(dtype="float32", **overrides))
+
+
+@pytest.fixture(scope="module")
+def engine(model_files) -> Engine:
+    return make_engine(model_files)
+
+
+def run_all(engine: Engine, requests: list[EngineRequest]) -> dict[str, list[int]]:
+    for request in requests:
+        engine.add(request)
+    outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    finished: set[str] = set()
+    while engine.has_work():
+        for result in engine.step():
+            outputs[result.request_id] += result.new_ids
+            if result.finish is not None:
+                finished.add(result.request_id)
+    assert finished == set(outputs)
+    return outputs
+
+
+def greedy_requests(prompt_ids, sampling: Sampling = GREEDY) -> list[EngineRequest]:
+    return [EngineRequest(f"r{i}", ids, [], sampling) for i, ids in enumerate(prompt_ids)]
+
+
+def test_greedy_output_equals_transformers_generate(engine, prompt_ids, reference):
+    outputs = run_all(engine, greedy_requests(prompt_ids))
+    for i, expected in enumerate(reference):
+        # both stop after EOS and include it
+        assert outputs[f"r{i}"] == expected
+    assert engine.stats().num_running == 0
+
+
+def test_abort_frees_kv_blocks(engine, prompt_ids):
+    free_before = engine.stats().num_free_blocks
+    engine.add(EngineRequest("doomed", prompt_ids[0], [], GREEDY))
+    engine.step()
+    assert engine.stats().num_free_blocks < free_before
+    assert engine.abort("doomed")
+    assert engine.stats().num_free_blocks == free_before
+    assert not engine.has_work()
+    assert not engine.abort("doomed")
+
+
+def test_prompt_that_cannot_fit_the_context_is_refused(engine):
+    too_long = Sampling(max_tokens=engine.max_context)
+    with pytest.raises(ContextLengthExceeded):
+        engine.add(EngineRequest("big", [1, 2, 3], [], too_long))
+
+
+def test_many_concurrent_requests_of_different_lengths_each_match_running_alone(
+        engine, prompt_ids, reference):
+    requests = [EngineRequest(f"r{i}", prompt_ids[i % len(prompt_ids)], [],
+                              Sampling(max_tokens=1 + i % NUM_NEW, temperature=0.0))
+                for i in range(24)]
+    outputs = run_all(engine, requests)
+    for i, request in enumerate(requests):
+        assert outputs[f"r{i}"] == reference[i % len(prompt_ids)][:request.sampling.max_tokens]
+
+
+def test_chunked_prefill_gives_the_same_output(model_files, prompt_ids, reference):
+    engine = make_engine(model_files, max_batch_tokens=16)
+    outputs = run_all(engine, greedy_requests(prompt_ids))
+    assert [outputs[f"r{i}"] for i in range(len(prompt_ids))] == reference
+
+
+def test_preemption_under_a_tiny_kv_budget_still_gives_correct_output(
+        model_files, prompt_ids, reference):
+    engine = make_engine(model_files, kv_cache_mb=5)  # 7 blocks of 16 tokens
+    outputs = run_all(engine, greedy_requests(prompt_ids))
+    assert engine.stats().num_preemptions > 0
+    assert [outputs[f"r{i}"] for i in range(len(prompt_ids))] == reference
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
+def test_a_repeated_prompt_reuses_cached_prefix_blocks(model_files, prompt_ids, reference):
+    engine = make_engine(model_files)
+    first = run_all(engine, greedy_requests(prompt_ids[:1]))
+    assert engine.stats().num_prefix_hit_tokens == 0
+    again = run_all(engine, [EngineRequest("again", prompt_ids[0], [], GREEDY)])
+    hits = engine.stats().num_prefix_hit_tokens
+    assert hits == (len(prompt_ids[0]) - 1) // 16 * 16 > 0
+    assert again["again"] == first["r0"] == reference[0]
+
+
+def test_seeded_sampling_is_reproducible_and_resumes_from_delivered_tokens(engine, prompt_ids):
+    sampling = Sampling(max_tokens=NUM_NEW, temperature=0.9, top_p=0.95, seed=1234,
+                        ignore_eos=True)
+    first = run_all(engine, [EngineRequest("a", prompt_ids[1], [], sampling)])["a"]
+    second = run_all(engine, [EngineRequest("b", prompt_ids[1], [], sampling)])["b"]
+    assert first == second and len(first) == NUM_NEW
+    delivered = first[:5]
+    resumed = run_all(engine, [EngineRequest("c", prompt_ids[1], delivered, sampling)])["c"]
+    assert delivered + resumed == first
+    other_seed = Sampling(max_tokens=NUM_NEW, temperature=0.9, top_p=0.95, seed=99,
+                          ignore_eos=True)
+    assert run_all(engine, [EngineRequest("d", prompt_ids[1], [], other_seed)])["d"] != first
+
+
+def test_a_continuation_counts_delivered_tokens_toward_max_tokens(engine, prompt_ids, reference):
+    delivered = reference[2][:4]
+    outputs = run_all(engine, [EngineRequest("c", prompt_ids[2], delivered, GREEDY)])
+    assert delivered + outputs["c"] == reference[2]
+    spent = run_all(engine, [EngineRequest("d", prompt_ids[2], reference[2], GREEDY)])
+    assert spent["d"] == []
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids_end_with_stop(engine, prompt_ids, reference):
+    eos_at = reference[0].index(2)  # the reference answer ends with EOS (id 2)
+    held = Sampling(max_tokens=eos_at + 4, temperature=0.0, min_tokens=eos_at + 3)
+    outputs = run_all(engine, [EngineRequest("m", prompt_ids[0], [], held)])
+    assert len(outputs["m"]) == eos_at + 4 and 2 not in outputs["m"][:eos_at + 3]
+    stop_id = reference[1][3]
+    stopped = Sampling(max_tokens=NUM_NEW, temperature=0.0, stop_token_ids=[stop_id])
+    engine.add(EngineRequest("s", prompt_ids[1], [], stopped))
+    results = []
+    while engine.has_work():
+        results += engine.step()
+    assert [t for r in results for t in r.new_ids] == reference[1][:4]
+    assert results[-1].finish == "stop"
+
+
+def test_logprobs_come_with_top_alternatives(engine, prompt_ids, reference):
+    sampling = Sampling(max_tokens=3, temperature=0.0, logprobs=2)
+    engine.add(EngineRequest("lp", prompt_ids[0], [], sampling))
+    results = []
+    while engine.has_work():
+        results += engine.step()
+    for result in results:
+        [chosen] = result.logprobs
+        assert chosen.token_id == result.new_ids[0]
+        assert len(chosen.top) == 2 and chosen.top[0].token_id == chosen.token_id
+        assert chosen.logprob == pytest.approx(chosen.top[0].logprob)
+        assert chosen.top[0].logprob >= chosen.top[1].logprob
+
+
+def test_can_admit_is_zero_when_slots_are_taken(model_files, prompt_ids):
+    engine = make_engine(model_files, max_running_requests=2)
+    assert engine.can_admit() == 2
+    for i in range(2):
+        engine.add(EngineRequest(f"x{i}", prompt_ids[0], [], GREEDY))
+    assert engine.can_admit() == 0
+    engine.abort("x0")
+    assert engine.can_admit() == 1

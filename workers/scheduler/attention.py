@@ -1,0 +1,159 @@
+# Attention over the paged KV cache. The torch backend (CPU, or CUDA without
+# flashinfer) gathers each sequence's KV slots once per step and reuses the
+# gather indices in every layer; `make_backend` picks flashinfer on CUDA.
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from workers.scheduler.batcher import StepPlan
+
+
+class KVCache:
+    """Per layer, k and v as [num_blocks, block_size, num_kv_heads, head_dim]
+    (flashinfer's NHD paged layout); the torch backend sees them flat by slot."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_flat = [t.view(-1, num_kv_heads, head_dim) for t in self.k]
+        self.v_flat = [t.view(-1, num_kv_heads, head_dim) for t in self.v]
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype) -> int:
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+def slot_mapping(plan: StepPlan, tables: list[list[int]]) -> list[int]:
+    size = plan.block_size
+    return [table[p // size] * size + p % size
+            for chunk, table in zip(plan.chunks, tables, strict=True)
+            for p in range(chunk.start, chunk.start + chunk.num_tokens)]
+
+
+@dataclass
+class PrefillPart:
+    first: int  # its first row in the flat batch
+    num_tokens: int
+    context: torch.Tensor | None  # slots of all its keys; None: no cached prefix, attend fresh k, v
+    mask: torch.Tensor | None  # [num_tokens, context_len] bool, True = may attend
+
+
+@dataclass
+class TorchMeta:
+    slots: torch.Tensor
+    num_decode: int
+    decode_slots: torch.Tensor | None  # [num_decode, max_len]
+    decode_bias: torch.Tensor | None  # [num_decode, 1, 1, max_len]: 0 or -inf
+    prefills: list[PrefillPart]
+
+
+class TorchAttention:
+    def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.cache = cache
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.meta: TorchMeta | None = None
+
+    def prepare(self, plan: StepPlan, tables: list[list[int]], device: torch.device) -> None:
+        """Per-step metadata, computed once and shared by every layer."""
+        slots = torch.tensor(slot_mapping(plan, tables), dtype=torch.long, device=device)
+        # the leading one-token chunks (decodes) attend as one batch
+        num_decode = next((i for i, c in enumerate(plan.chunks) if c.num_tokens != 1),
+                          len(plan.chunks))
+        decode_slots = decode_bias = None
+        if num_decode:
+            decode_slots, decode_bias = self._decode_gather(plan, tables, num_decode, device)
+        prefills, first = [], num_decode
+        for chunk, table in zip(plan.chunks[num_decode:], tables[num_decode:], strict=True):
+            prefills.append(self._prefill_part(plan.block_size, chunk.start, chunk.num_tokens,
+                                               table, first, device))
+            first += chunk.num_tokens
+        self.meta = TorchMeta(slots, num_decode, decode_slots, decode_bias, prefills)
+
+    def _decode_gather(self, plan: StepPlan, tables: list[list[int]], num_decode: int,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        size = plan.block_size
+        lengths = [c.start + 1 for c in plan.chunks[:num_decode]]
+        max_len = max(lengths)
+        num_table = -(-max_len // size)
+        padded = [t[:num_table] + [0] * (num_table - len(t[:num_table]))
+                  for t in tables[:num_decode]]
+        table = torch.tensor(padded, dtype=torch.long, device=device)
+        offsets = torch.arange(max_len, device=device)
+        slots = table[:, offsets // size] * size + offsets % size
+        length = torch.tensor(lengths, device=device)
+        bias = torch.zeros(slots.shape, dtype=self.cache.k[0].dtype, device=device)
+        bias.masked_fill_(offsets[None, :] >= length[:, None], float("-inf"))
+        return slots, bias[:, None, None, :]
+
+    def _prefill_part(self, size: int, start: int, num_tokens: int, table: list[int], first: int,
+                      device: torch.device) -> PrefillPart:
+        if start == 0:
+            return PrefillPart(first, num_tokens, None, None)
+        end = start + num_tokens
+        context = torch.tensor([table[p // size] * size + p % size for p in range(end)],
+                               dtype=torch.long, device=device)
+        rows = torch.arange(start, end, device=device)[:, None]
+        mask = torch.arange(end, device=device)[None, :] <= rows
+        return PrefillPart(first, num_tokens, context, mask)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
+        """q [T, heads, dim], k and v [T, kv_heads, dim] -> [T, heads * dim]."""
+        meta = self.meta
+        k_cache, v_cache = self.cache.k_flat[layer], self.cache.v_flat[layer]
+        k_cache.index_copy_(0, meta.slots, k)
+        v_cache.index_copy_(0, meta.slots, v)
+        out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype,
+                          device=q.device)
+        if meta.num_decode:
+            out[:meta.num_decode] = self._decode(q[:meta.num_decode], k_cache, v_cache)
+        for part in meta.prefills:
+            rows = slice(part.first, part.first + part.num_tokens)
+            out[rows] = self._prefill(part, q[rows], k[rows], v[rows], k_cache, v_cache)
+        return out
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        meta, batch = self.meta, q.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        keys = k_cache[meta.decode_slots].permute(0, 2, 3, 1)  # [B, kv_heads, dim, L]
+        values = v_cache[meta.decode_slots].transpose(1, 2)  # [B, kv_heads, L, dim]
+        q = q.view(batch, self.num_kv_heads, group, self.head_dim)
+        scores = torch.matmul(q, keys).mul_(self.scale).add_(meta.decode_bias)
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        return torch.matmul(probs, values).reshape(batch, -1)
+
+    def _prefill(self, part: PrefillPart, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        if part.context is not None:
+            k, v = k_cache[part.context], v_cache[part.context]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=part.mask,
+            is_causal=part.mask is None, scale=self.scale, enable_gqa=True)
+        return out.transpose(0, 1).reshape(part.num_tokens, -1)
+
+
+def make_backend(name: str, cache: KVCache, spec, device: torch.device):
+    """"auto": flashinfer on CUDA when it is installed, else torch."""
+    if name not in ("auto", "torch", "flashinfer"):
+        raise ValueError(f"unknown attention backend {name!r}")
+    if name == "flashinfer" or (name == "auto" and device.type == "cuda" and _has_flashinfer()):
+        from workers.scheduler.attention_flashinfer import FlashInferAttention
+
+        return FlashInferAttention(cache, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                                   device)
+    return TorchAttention(cache, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+
+
+def _has_flashinfer() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flashinfer") is not None

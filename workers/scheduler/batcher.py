@@ -1,0 +1,131 @@
+# Continuous batching policy, torch-free: which sequences run this step and
+# with how many tokens. FCFS admission, chunked prefill under a per-step token
+# budget, and preemption by recompute when KV blocks run out.
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from workers.scheduler.blocks import BlockAllocator
+from workers.scheduler.sequence import Sequence, Status
+
+
+@dataclass
+class Chunk:
+    """`num_tokens` tokens of `seq` starting at position `start`."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        # the chunk reaches the last token, so its logits pick the next one
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class StepPlan:
+    """Decode chunks (one token each) come first, then prefill chunks."""
+
+    chunks: list[Chunk] = field(default_factory=list)
+    block_size: int = 16
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    def positions(self) -> list[int]:
+        return [p for c in self.chunks for p in range(c.start, c.start + c.num_tokens)]
+
+    def input_ids(self) -> list[int]:
+        return [t for c in self.chunks for t in c.seq.token_ids[c.start:c.start + c.num_tokens]]
+
+
+class Batcher:
+    def __init__(self, allocator: BlockAllocator, max_running_requests: int,
+                 max_batch_tokens: int):
+        self.allocator = allocator
+        self.max_running_requests = max_running_requests
+        self.max_batch_tokens = max_batch_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in arrival order: the last is the newest
+        self.num_preemptions = 0
+        self.num_prefix_hit_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan(block_size=self.allocator.block_size)
+        budget = self.max_batch_tokens
+        for seq in self._grow_decoding(budget):
+            plan.chunks.append(Chunk(seq, seq.num_computed, 1))
+            budget -= 1
+        for seq in self.running:
+            if not seq.is_decoding and budget > 0:
+                plan.chunks.append(self._prefill_chunk(seq, budget))
+                budget -= plan.chunks[-1].num_tokens
+        while budget > 0 and self.waiting and len(self.running) < self.max_running_requests:
+            seq = self.waiting[0]
+            if not self.allocator.can_allocate(seq.token_ids):
+                break  # FCFS: nobody overtakes the head of the queue
+            self._admit(self.waiting.popleft())
+            plan.chunks.append(self._prefill_chunk(seq, budget))
+            budget -= plan.chunks[-1].num_tokens
+        return plan
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = Status.FINISHED
+        self.running.remove(seq)
+        self.allocator.free(seq.request_id)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                seq.status = Status.FINISHED
+                return seq
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self.finish(seq)
+                return seq
+        return None
+
+    def _grow_decoding(self, budget: int) -> list[Sequence]:
+        """Decoding sequences that got a slot for their next token, oldest
+        first; the newest are preempted until the rest fit."""
+        granted: list[Sequence] = []
+        for seq in list(self.running):
+            if len(granted) == budget:
+                break
+            if seq.status is not Status.RUNNING or not seq.is_decoding:
+                continue
+            while not self.allocator.may_append(seq.request_id, seq.num_tokens):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                self.allocator.append(seq.request_id, seq.num_tokens)
+                granted.append(seq)
+        return granted
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq.request_id)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _admit(self, seq: Sequence) -> None:
+        seq.num_computed = self.allocator.allocate(seq.request_id, seq.token_ids)
+        self.num_prefix_hit_tokens += seq.num_computed
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def _prefill_chunk(self, seq: Sequence, budget: int) -> Chunk:
+        return Chunk(seq, seq.num_computed, min(seq.num_uncomputed, budget))

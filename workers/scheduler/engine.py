@@ -1,0 +1,180 @@
+# The Engine: one scheduler's model, KV cache and batch. Each step is
+# schedule (Batcher, torch-free) -> run (model forward + sampling) ->
+# postprocess (append tokens, finish, free blocks).
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.config import SchedulerConfig
+from pipeline.errors import ConfigError, ContextLengthExceeded
+from pipeline.messages import Sampling, TokenLogprob
+from workers.scheduler.attention import KVCache, bytes_per_block, make_backend
+from workers.scheduler.batcher import Batcher, StepPlan
+from workers.scheduler.blocks import BlockAllocator
+from workers.scheduler.model import LlamaModel, read_spec
+from workers.scheduler.sampler import Sampled, Sampler
+from workers.scheduler.sequence import Sequence
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]  # already delivered: they count toward max_tokens and seed positions
+    sampling: Sampling
+
+
+@dataclass
+class StepResult:
+    request_id: str
+    new_ids: list[int]
+    finish: str | None  # "stop" | "length" | None
+    logprobs: list[TokenLogprob] | None
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    num_prefix_hit_tokens: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+    if name not in dtypes:
+        raise ConfigError(f"unknown dtype {name!r}: one of auto, {', '.join(dtypes)}")
+    return dtypes[name]
+
+
+class Engine:
+    def __init__(self, model_path: Path, config: SchedulerConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        spec = read_spec(Path(model_path))
+        self.model = LlamaModel.load(Path(model_path), spec, self.device, self.dtype)
+        per_block = bytes_per_block(spec.num_layers, config.block_size, spec.num_kv_heads,
+                                    spec.head_dim, self.dtype)
+        num_blocks = config.kv_cache_mb * 2**20 // per_block
+        if num_blocks < 2:
+            raise ConfigError(f"kv_cache_mb={config.kv_cache_mb} holds under two KV blocks")
+        self.cache = KVCache(spec.num_layers, num_blocks, config.block_size, spec.num_kv_heads,
+                             spec.head_dim, self.dtype, self.device)
+        self.attention = make_backend(config.attention_backend, self.cache, spec, self.device)
+        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        self.batcher = Batcher(self.allocator, config.max_running_requests,
+                               config.max_batch_tokens)
+        self.sampler = Sampler()
+        self.eos_token_ids = spec.eos_token_ids
+        self.max_context = min(spec.max_position, num_blocks * config.block_size)
+        self.arrivals = itertools.count()
+        self.done_on_arrival: list[StepResult] = []  # nothing left to generate
+
+    def can_admit(self) -> int:
+        batcher = self.batcher
+        room = self.config.max_running_requests - len(batcher.running) - len(batcher.waiting)
+        waiting_blocks = sum(self.allocator.blocks_needed(s.num_tokens) for s in batcher.waiting)
+        return max(0, min(room, self.allocator.num_free_blocks - waiting_blocks))
+
+    def add(self, request: EngineRequest) -> None:
+        sampling = request.sampling
+        num_tokens = len(request.prompt_ids) + len(request.output_ids)
+        remaining = max(0, sampling.max_tokens - len(request.output_ids))
+        if num_tokens + remaining > self.max_context:
+            raise ContextLengthExceeded(
+                f"{num_tokens} tokens plus {remaining} to generate exceed the context of "
+                f"{self.max_context} tokens", param="max_tokens")
+        if remaining == 0:
+            self.done_on_arrival.append(StepResult(request.request_id, [], "length", None))
+            return
+        stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos
+                                                   else set(self.eos_token_ids))
+        seed = random.getrandbits(63) if sampling.seed is None else sampling.seed % 2**63
+        self.batcher.add(Sequence(
+            request.request_id, list(request.prompt_ids) + list(request.output_ids),
+            len(request.prompt_ids), sampling, seed, next(self.arrivals),
+            stop_ids=frozenset(stop_ids)))
+
+    def abort(self, request_id: str) -> bool:
+        for result in self.done_on_arrival:
+            if result.request_id == request_id:
+                self.done_on_arrival.remove(result)
+                return True
+        return self.batcher.abort(request_id) is not None
+
+    def has_work(self) -> bool:
+        return bool(self.batcher.running or self.batcher.waiting or self.done_on_arrival)
+
+    def step(self) -> list[StepResult]:
+        results, self.done_on_arrival = self.done_on_arrival, []
+        plan = self.batcher.schedule()
+        if not plan.chunks:
+            return results
+        sampled = self.run(plan)
+        return results + self.postprocess(plan, sampled)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> Sampled:
+        tables = [self.allocator.block_table(c.seq.request_id) for c in plan.chunks]
+        self.attention.prepare(plan, tables, self.device)
+        ends = itertools.accumulate(c.num_tokens for c in plan.chunks)
+        rows = [end - 1 for end, c in zip(ends, plan.chunks, strict=True) if c.samples]
+        device = self.device
+        logits = self.model.forward(
+            torch.tensor(plan.input_ids(), dtype=torch.long, device=device),
+            torch.tensor(plan.positions(), dtype=torch.long, device=device),
+            torch.tensor(rows, dtype=torch.long, device=device), self.attention)
+        return self.sampler(logits, [c.seq for c in plan.chunks if c.samples])
+
+    def postprocess(self, plan: StepPlan, sampled: Sampled) -> list[StepResult]:
+        results = []
+        picks = iter(zip(sampled.token_ids, sampled.logprobs, strict=True))
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            seq.num_computed += chunk.num_tokens
+            self.allocator.cache_full_blocks(seq.request_id, seq.token_ids, seq.num_computed)
+            if not chunk.samples:
+                continue
+            token_id, logprobs = next(picks)
+            seq.token_ids.append(token_id)
+            finish = seq.finish_reason(self.max_context)
+            if finish is not None:
+                self.batcher.finish(seq)
+            results.append(StepResult(seq.request_id, [token_id], finish, logprobs))
+        return results
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.batcher.running), num_waiting=len(self.batcher.waiting),
+            num_free_blocks=self.allocator.num_free_blocks, num_blocks=self.allocator.num_blocks,
+            num_preemptions=self.batcher.num_preemptions,
+            num_prefix_hit_tokens=self.batcher.num_prefix_hit_tokens)

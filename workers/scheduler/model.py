@@ -1,0 +1,157 @@
+# Our forward pass for Llama-family decoders (Llama, SmolLM2, Qwen2 with qkv
+# bias, Qwen3 with q/k norm) over a flat batch of tokens and a paged KV cache.
+# Weights come straight from the HF safetensors checkpoint.
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_eps: float
+    rope_theta: float
+    max_position: int
+    tie_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    eos_token_ids: frozenset[int]
+
+
+def _ids(value: int | list[int] | None) -> set[int]:
+    return set() if value is None else {value} if isinstance(value, int) else set(value)
+
+
+def read_spec(model_dir: Path) -> ModelSpec:
+    """The one adapter over HF config.json (and generation_config.json) fields."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    generation = model_dir / "generation_config.json"
+    gen = json.loads(generation.read_text()) if generation.exists() else {}
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"rope type {rope_type!r} is not supported")
+    model_type = cfg.get("model_type", "llama")
+    heads = cfg["num_attention_heads"]
+    return ModelSpec(
+        hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        vocab_size=cfg["vocab_size"], rms_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+        max_position=cfg.get("max_position_embeddings", 4096),
+        tie_embeddings=cfg.get("tie_word_embeddings", False),
+        qkv_bias=cfg.get("attention_bias", False) or model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
+        eos_token_ids=frozenset(_ids(cfg.get("eos_token_id")) | _ids(gen.get("eos_token_id"))),
+    )
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # q, k and v projections stacked: one matmul
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # gate and up stacked: one matmul
+    down: torch.Tensor
+
+
+class LlamaModel:
+    """Transposed weights ([in, out]) so each projection is a plain `x @ w`."""
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], device: torch.device,
+                 dtype: torch.dtype):
+        self.spec, self.dtype = spec, dtype
+
+        def get(name: str) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=dtype)
+
+        self.embed = get("model.embed_tokens.weight")
+        self.lm_head_t = (self.embed if spec.tie_embeddings else get("lm_head.weight")).t()
+        self.norm = get("model.norm.weight")
+        self.layers = [self._layer(get, weights, f"model.layers.{i}.")
+                       for i in range(spec.num_layers)]
+        self.cos, self.sin = rope_tables(spec, device, dtype)
+
+    def _layer(self, get, weights: dict, p: str) -> Layer:
+        attn = p + "self_attn."
+        qkv = torch.cat([get(attn + f"{n}_proj.weight") for n in "qkv"]).t().contiguous()
+        bias = (torch.cat([get(attn + f"{n}_proj.bias") for n in "qkv"])
+                if self.spec.qkv_bias else None)
+        gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+        return Layer(
+            input_norm=get(p + "input_layernorm.weight"), qkv=qkv, qkv_bias=bias,
+            q_norm=get(attn + "q_norm.weight") if self.spec.qk_norm else None,
+            k_norm=get(attn + "k_norm.weight") if self.spec.qk_norm else None,
+            o=get(attn + "o_proj.weight").t().contiguous(),
+            post_norm=get(p + "post_attention_layernorm.weight"),
+            gate_up=gate_up.t().contiguous(), down=get(p + "mlp.down_proj.weight").t().contiguous(),
+        )
+
+    @classmethod
+    def load(cls, model_dir: Path, spec: ModelSpec, device: torch.device,
+             dtype: torch.dtype) -> LlamaModel:
+        weights: dict[str, torch.Tensor] = {}
+        for file in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                weights.update({name: f.get_tensor(name) for name in f.keys()})
+        return cls(spec, weights, device, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logit_rows: torch.Tensor,
+                attend) -> torch.Tensor:
+        """Hidden states of all tokens, logits (fp32) only of `logit_rows`.
+        `attend(layer_index, q, k, v)` writes k, v to the cache and attends."""
+        spec = self.spec
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        h = self.embed[input_ids]
+        num_q, num_kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        for index, layer in enumerate(self.layers):
+            x = F.rms_norm(h, (spec.hidden_size,), layer.input_norm, spec.rms_eps)
+            qkv = x @ layer.qkv if layer.qkv_bias is None else torch.addmm(layer.qkv_bias, x,
+                                                                           layer.qkv)
+            q, k, v = qkv.split([num_q, num_kv, num_kv], dim=-1)
+            q = q.view(-1, spec.num_heads, spec.head_dim)
+            k = k.view(-1, spec.num_kv_heads, spec.head_dim)
+            if layer.q_norm is not None:
+                q = F.rms_norm(q, (spec.head_dim,), layer.q_norm, spec.rms_eps)
+                k = F.rms_norm(k, (spec.head_dim,), layer.k_norm, spec.rms_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            out = attend(index, q, k, v.view(-1, spec.num_kv_heads, spec.head_dim))
+            h = h + out @ layer.o
+            x = F.rms_norm(h, (spec.hidden_size,), layer.post_norm, spec.rms_eps)
+            gate, up = (x @ layer.gate_up).chunk(2, dim=-1)
+            h = h + (F.silu(gate) * up) @ layer.down
+        x = F.rms_norm(h[logit_rows], (spec.hidden_size,), self.norm, spec.rms_eps)
+        return (x @ self.lm_head_t).float()
+
+
+def rope_tables(spec: ModelSpec, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    half = spec.head_dim // 2
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, half, dtype=torch.float32) / half))
+    angles = torch.outer(torch.arange(spec.max_position, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
