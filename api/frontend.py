@@ -108,7 +108,7 @@ class Frontend:
         state = RequestState(submit)
         self.states[request_id] = state
         try:
-            await self.client.add(self.keys.requests, submit)
+            await retrying(lambda: self.client.add(self.keys.requests, submit), "submit")
             while True:
                 event = await state.events.get()
                 if isinstance(event, Failed):

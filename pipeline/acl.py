@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-_COMMON = ["ping", "hello", "client|setinfo", "client|setname", "info", "select",
+_COMMON = ["ping", "hello", "client|setname", "info", "select",
            "set", "exists", "get", "mget", "scan", "xinfo", "xrange", "xrevrange", "xlen"]
 _GROUP_READER = ["xreadgroup", "xack", "xgroup", "xclaim", "xpending", "xtrim"]
 

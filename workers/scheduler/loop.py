@@ -63,6 +63,7 @@ class Scheduler:
         self.running: dict[str, Running] = {}
         self.control_id = "$"
         self.failures: list[Failed] = []
+        self.unsent: list[TokenBatch] = []
         self.to_ack: list[str] = []
         self.next_upkeep = 0.0
         self.num_expired = 0
@@ -82,6 +83,7 @@ class Scheduler:
                 await self.turn_back(entry)
 
     async def step(self) -> None:
+        await self.flush()
         if time.monotonic() >= self.next_upkeep:
             await self.upkeep()
         await self.receive()
@@ -231,12 +233,23 @@ class Scheduler:
     async def emit(self, results: list[StepResult]) -> None:
         outputs = [out for r in results if (out := self.output_for(r)) is not None]
         failures, self.failures = self.failures, []
-        to_ack, self.to_ack = self.to_ack, []
         if outputs or failures:
-            batch = TokenBatch(self.worker_id, outputs, failures)
-            await self.client.add(self.keys.tokens, batch)
+            self.unsent.append(TokenBatch(self.worker_id, outputs, failures))
+        await self.flush()
+
+    async def flush(self) -> None:
+        """Send what earlier steps produced, oldest first. A batch stays queued
+        until Redis took it (a lost reply means a duplicate the frontend drops)."""
+        while self.unsent:
+            await self.client.add(self.keys.tokens, self.unsent[0])
+            self.unsent.pop(0)
         # ack only after the final tokens are on TOKENS: a crash before that must redeliver
-        await self.client.ack(self.keys.requests, SCHEDULERS, to_ack)
+        to_ack, self.to_ack = self.to_ack, []
+        try:
+            await self.client.ack(self.keys.requests, SCHEDULERS, to_ack)
+        except BaseException:
+            self.to_ack.extend(to_ack)
+            raise
 
     def info(self) -> dict:
         return {"model": self.config.model, "num_expired": self.num_expired} | asdict(
