@@ -184,6 +184,9 @@ class Frontend:
         # a dead frontend's reply stream expires by itself
         if not await self.client.redis.pexpire(self.reply_to, int(ttl_s * 1000) * 6):
             await self._recover_lost_data()
+        elif self.last_reply_id != "0-0":  # what we have read, nobody needs again
+            await self.client.redis.xtrim(self.reply_to, minid=self.last_reply_id,
+                                          approximate=True)
 
     async def _recover_lost_data(self) -> None:
         """Our reply stream vanished: Redis restarted empty. Recreate it and

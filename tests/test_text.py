@@ -31,7 +31,8 @@ def stream_text(tokenizer, ids, stop=(), step=1):
     return pieces
 
 
-@pytest.mark.parametrize("text", ["Hello, world!", "안녕하세요 세계", "emoji 😀🎉 and 日本語", "tab\tnew\nline"])
+@pytest.mark.parametrize(
+    "text", ["Hello, world!", "안녕하세요 세계", "emoji 😀🎉 and 日本語", "tab\tnew\nline"])
 @pytest.mark.parametrize("step", [1, 3])
 def test_streamed_pieces_join_to_the_full_decode_without_replacement_chars(tokenizer, text, step):
     ids = tokenizer.encode(text)

@@ -82,6 +82,15 @@ def own_redis7(tmp_path):
 
 
 @pytest.fixture
+def embedded_redis(tmp_path):
+    """The Redis 6.2 that `pipeline serve` embeds."""
+    server = RedisServer(str(redis_server_binary()), tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
 def make_tier(tmp_path):
     tiers = []
 

@@ -31,7 +31,8 @@ def _during_streams(url, texts, max_tokens, fault):
     return asyncio.run(main())
 
 
-def test_killed_connections_are_reconnected_and_nothing_is_lost(own_redis, make_tier):
+def test_killed_connections_are_reconnected_and_nothing_is_lost(own_redis7, make_tier):
+    own_redis = own_redis7
     tier, url = _start(make_tier, own_redis)
     texts = prompts(16)
     reference = asyncio.run(stream_many(url, texts, 32))
@@ -50,8 +51,8 @@ def test_killed_connections_are_reconnected_and_nothing_is_lost(own_redis, make_
 def test_a_redis_restart_that_lost_everything_is_survived_by_resubmission(own_redis7, make_tier):
     tier, url = _start(make_tier, own_redis7)
     texts = prompts(16)
-    reference = asyncio.run(stream_many(url, texts, 40))
-    got, took_s = _during_streams(url, texts, 40, lambda: own_redis7.restart(down_s=1.0))
+    reference = asyncio.run(stream_many(url, texts, 32))
+    got, took_s = _during_streams(url, texts, 32, lambda: own_redis7.restart(down_s=1.0))
     figures = report("redis restart (data lost)", reference, got, took_s=round(took_s, 2))
     assert figures["lost"] == 0 and figures["differing"] == 0
     assert all(proc.poll() is None for proc in tier.procs)

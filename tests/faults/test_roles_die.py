@@ -42,23 +42,24 @@ def test_a_killed_scheduler_s_requests_finish_on_another_exactly_as_undisturbed(
     url = tier.start_api()
     tier.wait_ready(schedulers=2)
     texts = prompts(NUM_STREAMS)
-    reference = asyncio.run(stream_many(url, texts, 40))
+    reference = asyncio.run(stream_many(url, texts, 32))
     assert all(o.finish == "length" for o in reference)
-    got, recovery_s = _kill_after_start(url, victim, texts, 40)
+    got, recovery_s = _kill_after_start(url, victim, texts, 32)
     figures = report("scheduler -9", reference, got, recovery_s=round(recovery_s, 2))
     assert figures["lost"] == 0 and figures["differing"] == 0
     assert all(o.error is None for o in got)
 
 
-def test_a_killed_and_restarted_detokenizer_loses_and_duplicates_nothing(own_redis, make_tier):
-    tier = make_tier(own_redis.url)
+def test_a_killed_and_restarted_detokenizer_loses_and_duplicates_nothing(embedded_redis,
+                                                                         make_tier):
+    tier = make_tier(embedded_redis.url)
     tier.start("scheduler")
     victim = tier.start("detokenizer")
     url = tier.start_api()
     tier.wait_ready()
     texts = prompts(NUM_STREAMS)
-    reference = asyncio.run(stream_many(url, texts, 40))
-    got, recovery_s = _kill_after_start(url, victim, texts, 40,
+    reference = asyncio.run(stream_many(url, texts, 32))
+    got, recovery_s = _kill_after_start(url, victim, texts, 32,
                                         after=lambda: tier.start("detokenizer"))
     figures = report("detokenizer -9 + restart", reference, got, recovery_s=round(recovery_s, 2))
     assert figures["lost"] == 0 and figures["differing"] == 0

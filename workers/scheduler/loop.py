@@ -41,7 +41,7 @@ from workers.text import find_stop, stop_window
 
 log = logging.getLogger("pipeline.scheduler")
 MAX_ATTEMPTS = 3  # a request whose scheduler dies this many times is poison
-ADMITTED_TTL_S = 120  # retried XADDs arrive within seconds; keys must not pile up
+ADMITTED_TTL_S = 30  # retried XADDs arrive within seconds; the keys must not pile up
 
 
 @dataclass
