@@ -83,11 +83,13 @@ class Frontend:
         ]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        # cancel until done: redis-py 8 lets a cancelled command finish and swallows the
+        # CancelledError, so a single cancel() can leave a `while True` loop running forever
+        tasks = list(self._tasks)
+        while pending := [task for task in tasks if not task.done()]:
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending, timeout=0.1)
         with contextlib.suppress(Exception):
             await self.client.add(self.keys.control, FrontendGone(self.reply_to),
                                   maxlen=CONTROL_MAXLEN)

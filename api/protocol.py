@@ -44,7 +44,6 @@ class OpenAIRequest(SamplingFields):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
 
@@ -115,7 +114,7 @@ class CompletionRequest(OpenAIRequest):
 class NativeSampling(SamplingFields):
     """SGLang's `sampling_params`: its names, and nothing we would silently ignore."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=False)
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     max_tokens: int | None = Field(None, alias="max_new_tokens")
     min_tokens: int = Field(0, alias="min_new_tokens")

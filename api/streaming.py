@@ -78,9 +78,7 @@ async def choice_events(
             else:
                 yield index, item
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)
 
 
 async def started(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
@@ -115,9 +113,19 @@ async def collect(request: Request, events: AsyncIterator[Event], n: int) -> lis
         work.result()
         return choices
     finally:
-        for task in (work, watch):
+        await cancel_and_wait([work, watch])
+
+
+async def cancel_and_wait(tasks: list[asyncio.Future]) -> None:
+    """Cancel until done: redis-py 8 lets a cancelled command finish and swallows the
+    CancelledError, so one cancel() may leave a generate() waiting for deltas forever."""
+    while pending := [task for task in tasks if not task.done()]:
+        for task in pending:
             task.cancel()
-        await asyncio.gather(work, watch, return_exceptions=True)
+        await asyncio.wait(pending, timeout=0.1)
+    for task in tasks:  # retrieved, so asyncio does not log them as lost
+        if not task.cancelled():
+            task.exception()
 
 
 async def _disconnected(request: Request) -> None:

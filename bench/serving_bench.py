@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from datetime import UTC, datetime
@@ -84,7 +85,7 @@ def bench_options(base_url: str, level: int, num_requests: int) -> BenchOptions:
 def measure_ours() -> dict[int, dict]:
     RESULTS.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    proc = start_server(port, RESULTS / "serving-server.log")
+    proc = start_server(port, Path(tempfile.gettempdir()) / "serving-bench-server.log")
     base_url = f"http://127.0.0.1:{port}"
     try:
         run_bench(bench_options(base_url, 4, 4))  # warm-up

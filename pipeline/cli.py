@@ -15,6 +15,7 @@ from typing import Annotated
 
 import typer
 
+from pipeline.bench import bench_command
 from pipeline.config import ApiConfig, Config, RedisConfig, SchedulerConfig
 from pipeline.models import DEFAULT_MODEL
 
@@ -178,6 +179,9 @@ def acl(prefix: Prefix = "pipeline",
 
     for line in acl_lines(prefix, password):
         typer.echo(line)
+
+
+app.command("bench")(bench_command)
 
 
 def main() -> None:

@@ -3,8 +3,10 @@ process on a unix socket in a temp dir, for `pipeline serve` with no URL."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -13,6 +15,12 @@ from pathlib import Path
 import redis
 
 from pipeline.errors import ConfigError
+
+
+def die_with_parent() -> None:
+    """In a child before exec: the kernel sends SIGTERM when the parent dies,
+    so even a SIGKILLed supervisor leaves no process behind (Linux)."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def redis_server_binary() -> Path:
@@ -36,7 +44,8 @@ class EmbeddedRedis:
         cmd = [str(redis_server_binary()), "--port", "0", "--unixsocket", str(self.socket),
                "--unixsocketperm", "700", "--save", "", "--appendonly", "no",
                "--dir", str(self.dir), "--daemonize", "no", "--loglevel", "warning"]
-        self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+        self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                        preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:

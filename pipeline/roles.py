@@ -18,8 +18,14 @@ def _run_until_signal(main: Callable[[], Awaitable[None]]) -> None:
     async def runner() -> None:
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
+
+        def stop() -> None:
+            task.cancel()
+            # a cancel that lands inside a redis-py call can be swallowed: don't hang on it
+            loop.call_later(5.0, os._exit, 0)
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, task.cancel)
+            loop.add_signal_handler(sig, stop)
         try:
             await main()
         except asyncio.CancelledError:
@@ -32,6 +38,10 @@ def run_api(config: Config, model: ModelFiles, api_workers: int) -> None:
     import uvicorn
 
     from pipeline.config_io import config_to_json
+    from pipeline.errors import ConfigError
+
+    if api_workers > 1 and config.api.frontend_id is not None:
+        raise ConfigError("--id names one frontend; it cannot be shared by --api-workers > 1")
 
     # uvicorn workers are fresh processes: each rebuilds the app from this variable
     os.environ["PIPELINE_CONFIG_JSON"] = config_to_json(config)

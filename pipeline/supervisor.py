@@ -4,7 +4,6 @@ SIGINT/SIGTERM (children also die with the supervisor via PDEATHSIG)."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -16,18 +15,11 @@ from collections.abc import Callable
 import httpx
 
 from pipeline.config import Config
-from pipeline.embedded_redis import EmbeddedRedis
+from pipeline.embedded_redis import EmbeddedRedis, die_with_parent
 from pipeline.models import resolve_model
 from pipeline.status import live_workers
 
 log = logging.getLogger("pipeline.serve")
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class Children:
     def __init__(self, env: dict[str, str]):
         self.env = env
@@ -36,7 +28,7 @@ class Children:
     def start(self, name: str, role: str) -> None:
         cmd = [sys.executable, "-m", "pipeline.cli", "worker", "--role", role]
         self.procs[name] = subprocess.Popen(cmd, env=os.environ | self.env,
-                                            preexec_fn=_die_with_parent)
+                                            preexec_fn=die_with_parent)
 
     def restart_dead(self) -> None:
         for name, proc in list(self.procs.items()):
