@@ -82,19 +82,27 @@ class Frontend:
             asyncio.create_task(self._watch_queue(), name="queue"),
         ]
 
-    async def stop(self) -> None:
-        # cancel until done: redis-py 8 lets a cancelled command finish and swallows the
-        # CancelledError, so a single cancel() can leave a `while True` loop running forever
+    async def stop(self, timeout_s: float = 3.0) -> None:
+        """Stop within `timeout_s` whatever Redis does; tell schedulers we are gone."""
+        # cancel until done: redis-py 8 can let a cancelled command finish and swallow the
+        # CancelledError, so a single cancel() can leave a `while True` loop running
+        deadline = time.monotonic() + timeout_s
         tasks = list(self._tasks)
-        while pending := [task for task in tasks if not task.done()]:
+        while (pending := [t for t in tasks if not t.done()]) and time.monotonic() < deadline:
             for task in pending:
                 task.cancel()
             await asyncio.wait(pending, timeout=0.1)
+        if pending:
+            log.warning("%d background tasks did not stop in time", len(pending))
         with contextlib.suppress(Exception):
-            await self.client.add(self.keys.control, FrontendGone(self.reply_to),
-                                  maxlen=CONTROL_MAXLEN)
-            await self.client.redis.delete(self.reply_to, self.keys.alive("api", self.frontend_id))
-        await self.client.close()
+            await asyncio.wait_for(self._say_goodbye(), max(0.1, deadline - time.monotonic()))
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.client.close(), 1.0)
+
+    async def _say_goodbye(self) -> None:
+        await self.client.add(self.keys.control, FrontendGone(self.reply_to),
+                              maxlen=CONTROL_MAXLEN)
+        await self.client.redis.delete(self.reply_to, self.keys.alive("api", self.frontend_id))
 
     async def generate(
         self, prompt_ids: list[int], sampling: Sampling, request_id: str | None = None

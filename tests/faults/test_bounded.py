@@ -13,7 +13,7 @@ import psutil
 
 from pipeline.streams import Keys
 
-NUM_REQUESTS = int(os.environ.get("PIPELINE_TEST_BOUNDED_REQUESTS", "2000"))
+NUM_REQUESTS = int(os.environ.get("PIPELINE_TEST_BOUNDED_REQUESTS", "1200"))
 CONCURRENCY = 32
 
 

@@ -50,7 +50,7 @@ class TorchMeta:
     slots: torch.Tensor
     num_decode: int
     decode_slots: torch.Tensor | None  # [num_decode, max_len]
-    decode_bias: torch.Tensor | None  # [num_decode, 1, 1, max_len]: 0 or -inf
+    decode_bias: torch.Tensor | None  # [num_decode * kv_heads, group, max_len]: 0 or -inf
     prefills: list[PrefillPart]
 
 
@@ -91,7 +91,10 @@ class TorchAttention:
         length = torch.tensor(lengths, device=device)
         bias = torch.zeros(slots.shape, dtype=self.cache.k[0].dtype, device=device)
         bias.masked_fill_(offsets[None, :] >= length[:, None], float("-inf"))
-        return slots, bias[:, None, None, :]
+        group = self.num_heads // self.num_kv_heads
+        # one row per (sequence, kv head), broadcast over the heads of its group
+        bias = bias.repeat_interleave(self.num_kv_heads, dim=0)[:, None, :]
+        return slots, bias.expand(-1, group, -1)
 
     def _prefill_part(self, size: int, start: int, num_tokens: int, table: list[int], first: int,
                       device: torch.device) -> PrefillPart:
@@ -122,14 +125,18 @@ class TorchAttention:
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
-        meta, batch = self.meta, q.shape[0]
+        # batched matmuls over (sequence, kv head): several times faster on CPU
+        # than SDPA's flash kernel for one query row
+        meta = self.meta
+        batch, length = meta.decode_slots.shape
+        heads = batch * self.num_kv_heads
         group = self.num_heads // self.num_kv_heads
-        keys = k_cache[meta.decode_slots].permute(0, 2, 3, 1)  # [B, kv_heads, dim, L]
-        values = v_cache[meta.decode_slots].transpose(1, 2)  # [B, kv_heads, L, dim]
-        q = q.view(batch, self.num_kv_heads, group, self.head_dim)
-        scores = torch.matmul(q, keys).mul_(self.scale).add_(meta.decode_bias)
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        return torch.matmul(probs, values).reshape(batch, -1)
+        keys = k_cache[meta.decode_slots].permute(0, 2, 3, 1).reshape(heads, self.head_dim, length)
+        values = v_cache[meta.decode_slots].transpose(1, 2).reshape(heads, length, self.head_dim)
+        scores = torch.baddbmm(meta.decode_bias, q.reshape(heads, group, self.head_dim), keys,
+                               alpha=self.scale)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(probs, values).reshape(batch, -1)
 
     def _prefill(self, part: PrefillPart, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:

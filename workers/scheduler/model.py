@@ -123,17 +123,20 @@ class LlamaModel:
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         h = self.embed[input_ids]
         num_q, num_kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        # rope and (Qwen3) q/k norm run once over q and k side by side
         for index, layer in enumerate(self.layers):
             x = F.rms_norm(h, (spec.hidden_size,), layer.input_norm, spec.rms_eps)
             qkv = x @ layer.qkv if layer.qkv_bias is None else torch.addmm(layer.qkv_bias, x,
                                                                            layer.qkv)
-            q, k, v = qkv.split([num_q, num_kv, num_kv], dim=-1)
-            q = q.view(-1, spec.num_heads, spec.head_dim)
-            k = k.view(-1, spec.num_kv_heads, spec.head_dim)
+            qk, v = qkv.split([num_q + num_kv, num_kv], dim=-1)
+            qk = qk.view(-1, spec.num_heads + spec.num_kv_heads, spec.head_dim)
             if layer.q_norm is not None:
-                q = F.rms_norm(q, (spec.head_dim,), layer.q_norm, spec.rms_eps)
-                k = F.rms_norm(k, (spec.head_dim,), layer.k_norm, spec.rms_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                qk = torch.cat([
+                    F.rms_norm(qk[:, :spec.num_heads], (spec.head_dim,), layer.q_norm,
+                               spec.rms_eps),
+                    F.rms_norm(qk[:, spec.num_heads:], (spec.head_dim,), layer.k_norm,
+                               spec.rms_eps)], dim=1)
+            q, k = apply_rope(qk, cos, sin).split([spec.num_heads, spec.num_kv_heads], dim=1)
             out = attend(index, q, k, v.view(-1, spec.num_kv_heads, spec.head_dim))
             h = h + out @ layer.o
             x = F.rms_norm(h, (spec.hidden_size,), layer.post_norm, spec.rms_eps)

@@ -1,0 +1,99 @@
+# Offline throughput of the scheduler's engine against transformers `generate`
+# (static batch, same prompts, greedy, ignore_eos) at several batch sizes;
+# prints tok/s, ratios, and per-token decode latency at batch 1.
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pipeline.config import SchedulerConfig
+from pipeline.messages import Sampling
+from pipeline.models import resolve_model
+from workers.scheduler.engine import Engine, EngineRequest
+
+WORDS = ("river mountain quiet engine paper window garden silver market winter story "
+         "candle forest bridge signal yellow number travel ocean planet music simple "
+         "history letter orange kitchen machine morning shadow friend").split()
+
+
+def make_prompts(tokenizer, num: int, num_words: int = 24) -> list[list[int]]:
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(num_words)) for _ in range(num)]
+    return [tokenizer(text)["input_ids"] for text in texts]
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], num_new: int) -> tuple[float, float]:
+    """Seconds for everything, and seconds to the first token of the last request."""
+    sampling = Sampling(max_tokens=num_new, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        engine.add(EngineRequest(str(i), ids, [], sampling))
+    first = None
+    while engine.has_work():
+        results = engine.step()
+        if first is None and len(results) == len(prompts):
+            first = time.perf_counter() - start
+    return time.perf_counter() - start, first or 0.0
+
+
+def run_transformers(model, prompts: list[list[int]], num_new: int,
+                     pad_id: int) -> tuple[float, float]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    times = []
+    for num in (1, num_new):  # time to first token, then the whole run
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=num, min_new_tokens=num,
+                           do_sample=False, pad_token_id=pad_id)
+        times.append(time.perf_counter() - start)
+    return times[1], times[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--num-new", type=int, default=64)
+    parser.add_argument("--dtype", default="auto", help="the engine's dtype")
+    parser.add_argument("--hf-dtype", default="bfloat16")
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    path = resolve_model("SmolLM2-135M-Instruct").path
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    engine = Engine(path, SchedulerConfig(dtype=args.dtype, max_running_requests=64))
+    hf = None if args.skip_hf else AutoModelForCausalLM.from_pretrained(
+        path, dtype=getattr(torch, args.hf_dtype))
+    print(f"engine dtype {engine.dtype}, transformers dtype {args.hf_dtype}, "
+          f"threads {torch.get_num_threads()}, {args.num_new} new tokens")
+    run_engine(engine, make_prompts(tokenizer, 4), 8)  # warm up
+    for batch in (int(b) for b in args.batches.split(",")):
+        prompts = make_prompts(tokenizer, batch)
+        ours, ours_first = run_engine(engine, prompts, args.num_new)
+        report("engine", batch, args.num_new, ours, ours_first)
+        if hf is not None:
+            theirs, theirs_first = run_transformers(hf, prompts, args.num_new, 2)
+            report("transformers", batch, args.num_new, theirs, theirs_first)
+            latency = (decode_ms(ours, ours_first, args.num_new)
+                       / decode_ms(theirs, theirs_first, args.num_new))
+            print(f"  batch {batch}: throughput ratio {theirs / ours:.2f}x, "
+                  f"per-token time ratio {latency:.3f}")
+
+
+def decode_ms(total_s: float, first_s: float, num_new: int) -> float:
+    return (total_s - first_s) / max(1, num_new - 1) * 1000
+
+
+def report(name: str, batch: int, num_new: int, total_s: float, first_s: float) -> None:
+    step_ms = decode_ms(total_s, first_s, num_new)
+    print(f"{name:>12} batch {batch:3d}: {batch * num_new / total_s:8.1f} tok/s, "
+          f"first token {first_s * 1000:7.1f} ms, decode {step_ms:6.2f} ms/step")
+
+
+if __name__ == "__main__":
+    main()
