@@ -125,25 +125,30 @@ class LlamaModel:
         num_q, num_kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         # rope and (Qwen3) q/k norm run once over q and k side by side
         for index, layer in enumerate(self.layers):
-            x = F.rms_norm(h, (spec.hidden_size,), layer.input_norm, spec.rms_eps)
+            x = rms_norm(h, layer.input_norm, spec.rms_eps)
             qkv = x @ layer.qkv if layer.qkv_bias is None else torch.addmm(layer.qkv_bias, x,
                                                                            layer.qkv)
             qk, v = qkv.split([num_q + num_kv, num_kv], dim=-1)
             qk = qk.view(-1, spec.num_heads + spec.num_kv_heads, spec.head_dim)
             if layer.q_norm is not None:
                 qk = torch.cat([
-                    F.rms_norm(qk[:, :spec.num_heads], (spec.head_dim,), layer.q_norm,
-                               spec.rms_eps),
-                    F.rms_norm(qk[:, spec.num_heads:], (spec.head_dim,), layer.k_norm,
-                               spec.rms_eps)], dim=1)
+                    rms_norm(qk[:, :spec.num_heads], layer.q_norm, spec.rms_eps),
+                    rms_norm(qk[:, spec.num_heads:], layer.k_norm, spec.rms_eps)], dim=1)
             q, k = apply_rope(qk, cos, sin).split([spec.num_heads, spec.num_kv_heads], dim=1)
             out = attend(index, q, k, v.view(-1, spec.num_kv_heads, spec.head_dim))
             h = h + out @ layer.o
-            x = F.rms_norm(h, (spec.hidden_size,), layer.post_norm, spec.rms_eps)
+            x = rms_norm(h, layer.post_norm, spec.rms_eps)
             gate, up = (x @ layer.gate_up).chunk(2, dim=-1)
             h = h + (F.silu(gate) * up) @ layer.down
-        x = F.rms_norm(h[logit_rows], (spec.hidden_size,), self.norm, spec.rms_eps)
+        x = rms_norm(h[logit_rows], self.norm, spec.rms_eps)
         return (x @ self.lm_head_t).float()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalize in fp32 whatever the dtype: a bf16 RMSNorm over this model's
+    residual stream turns "Paris" into nonsense (measured), as transformers knows."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
 def rope_tables(spec: ModelSpec, device: torch.device,
