@@ -51,7 +51,7 @@ def test_decoders_reject_wrongly_shaped_msgpack_with_a_decode_error_only(value):
             pass
 
 
-def _wait(condition, timeout_s=20.0):
+def _wait(condition, timeout_s=60.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if (value := condition()):
@@ -96,3 +96,27 @@ def test_an_impossible_request_written_straight_to_redis_fails_back_to_its_sende
     assert failed.request_id == "bad-1" and failed.code == "invalid_request"
     body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
     assert httpx.post(f"{tier.base_url}/v1/completions", json=body, timeout=60).status_code == 200
+
+
+def test_a_submit_delivered_twice_by_a_retried_xadd_runs_once(tier):
+    keys = Keys(tier.prefix)
+    client = redis.Redis.from_url(tier.redis_url)
+    reply_to = keys.replies("test-twice")
+    client.xadd(reply_to, {"hello": "x"})
+    # a live frontend: schedulers drop the requests of frontends without a liveness key
+    client.set(keys.alive("api", "test-twice"), '{"role": "api", "id": "test-twice"}', ex=60)
+    submit = Submit(request_id="twice-1", reply_to=reply_to, prompt_ids=[1, 4093, 198],
+                    sampling=Sampling(max_tokens=6, temperature=0.0, ignore_eos=True))
+    for _ in range(2):  # what redis-py's retry does when an XADD reply is lost
+        client.xadd(keys.requests, {FIELD: encode(submit)})
+
+    def deltas():
+        found = [d for _, fields in client.xrange(reply_to) if FIELD in fields
+                 for d in replies_decoder.decode(fields[FIELD]).deltas]
+        return found if any(d.finish for d in found) else None
+
+    found = _wait(deltas)
+    time.sleep(1.0)  # a second run, if any, would have produced output by now
+    found = deltas()
+    offsets = [d.offset for d in found]
+    assert sorted(offsets) == sorted(set(offsets)) and sum(len(d.token_ids) for d in found) == 6
