@@ -59,6 +59,14 @@ class Tier:
         self.api_ports.append(port)
         return f"http://127.0.0.1:{port}"
 
+    def start_one_of_each(self, **api_options) -> str:
+        """A scheduler, a detokenizer and an api, ready; returns the api's URL."""
+        self.start("scheduler")
+        self.start("detokenizer")
+        url = self.start_api(**api_options)
+        self.wait_ready()
+        return url
+
     def wait_ready(self, schedulers: int = 1, detokenizers: int = 1, timeout_s: float = 120):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -31,10 +31,7 @@ def _figures(tier, server) -> dict:
 
 def test_thousands_of_requests_leave_streams_memory_and_rss_bounded(own_redis7, make_tier):
     tier = make_tier(own_redis7.url)
-    tier.start("scheduler")
-    tier.start("detokenizer")
-    url = tier.start_api()
-    tier.wait_ready()
+    url = tier.start_one_of_each()
     body = {"prompt": "Say hi", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
     samples = {}
 

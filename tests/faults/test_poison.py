@@ -75,11 +75,19 @@ def test_garbage_entries_are_dead_lettered_and_the_tier_keeps_serving(tier):
     assert httpx.post(f"{tier.base_url}/v1/completions", json=body, timeout=60).status_code == 200
 
 
-def test_an_impossible_request_written_straight_to_redis_fails_back_to_its_sender(tier):
+def _stand_in_frontend(tier, name: str) -> tuple[redis.Redis, Keys, str]:
+    """A reply stream and a liveness key, as a live api worker has: schedulers
+    drop the requests of frontends without one."""
     keys = Keys(tier.prefix)
     client = redis.Redis.from_url(tier.redis_url)
-    reply_to = keys.replies("test-sender")
+    reply_to = keys.replies(name)
     client.xadd(reply_to, {"hello": "x"})
+    client.set(keys.alive("api", name), f'{{"role": "api", "id": "{name}"}}', ex=60)
+    return client, keys, reply_to
+
+
+def test_an_impossible_request_written_straight_to_redis_fails_back_to_its_sender(tier):
+    client, keys, reply_to = _stand_in_frontend(tier, "test-sender")
     bad = Submit(request_id="bad-1", reply_to=reply_to, prompt_ids=[10**9, -5],
                  sampling=Sampling(max_tokens=4))
     client.xadd(keys.requests, {FIELD: encode(bad)})
@@ -99,12 +107,7 @@ def test_an_impossible_request_written_straight_to_redis_fails_back_to_its_sende
 
 
 def test_a_submit_delivered_twice_by_a_retried_xadd_runs_once(tier):
-    keys = Keys(tier.prefix)
-    client = redis.Redis.from_url(tier.redis_url)
-    reply_to = keys.replies("test-twice")
-    client.xadd(reply_to, {"hello": "x"})
-    # a live frontend: schedulers drop the requests of frontends without a liveness key
-    client.set(keys.alive("api", "test-twice"), '{"role": "api", "id": "test-twice"}', ex=60)
+    client, keys, reply_to = _stand_in_frontend(tier, "test-twice")
     submit = Submit(request_id="twice-1", reply_to=reply_to, prompt_ids=[1, 4093, 198],
                     sampling=Sampling(max_tokens=6, temperature=0.0, ignore_eos=True))
     for _ in range(2):  # what redis-py's retry does when an XADD reply is lost

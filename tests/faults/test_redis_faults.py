@@ -11,11 +11,7 @@ from tests.faults.clients import prompts, report, stream_many
 
 def _start(make_tier, server):
     tier = make_tier(server.url)
-    tier.start("scheduler")
-    tier.start("detokenizer")
-    url = tier.start_api()
-    tier.wait_ready()
-    return tier, url
+    return tier, tier.start_one_of_each()
 
 
 def _during_streams(url, texts, max_tokens, fault):
