@@ -44,6 +44,8 @@ MaxRunning = Annotated[int, _opt("MAX_RUNNING_REQUESTS", "Requests batched per s
 MaxBatchTokens = Annotated[int, _opt("MAX_BATCH_TOKENS", "Tokens per step (chunked prefill).")]
 KvCacheMb = Annotated[int, _opt("KV_CACHE_MB", "KV cache memory budget per scheduler, MiB.")]
 Dtype = Annotated[str, _opt("DTYPE", "auto | bfloat16 | float32 | float16.")]
+Quantization = Annotated[str, _opt("QUANTIZATION", "auto | int4 | none: 4-bit weights for small "
+                                   "batches (auto: only where the checkpoint is 4-bit).")]
 Device = Annotated[str, _opt("DEVICE", "auto | cpu | cuda.")]
 Threads = Annotated[int | None, _opt("NUM_THREADS", "torch threads per scheduler.")]
 Timeout = Annotated[float, _opt("REQUEST_TIMEOUT", "Seconds before a request is abandoned.")]
@@ -57,7 +59,8 @@ LogLevel = Annotated[str, _opt("LOG_LEVEL", "debug | info | warning | error.")]
 
 def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: int,
                  api_key: str | None, max_running_requests: int, max_batch_tokens: int,
-                 kv_cache_mb: int, dtype: str, device: str, num_threads: int | None,
+                 kv_cache_mb: int, dtype: str, quantization: str, device: str,
+                 num_threads: int | None,
                  request_timeout: float, max_queued_requests: int,
                  alive_ttl_s: float) -> Config:
     return Config(
@@ -68,7 +71,8 @@ def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: in
                       max_queued_requests=max_queued_requests),
         scheduler=SchedulerConfig(max_running_requests=max_running_requests,
                                   max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb,
-                                  dtype=dtype, device=device, num_threads=num_threads),
+                                  dtype=dtype, quantization=quantization, device=device,
+                                  num_threads=num_threads),
     )
 
 
@@ -81,6 +85,7 @@ def child_env(config: Config, redis_url: str, log_level: str, api_workers: int) 
         "MAX_RUNNING_REQUESTS": config.scheduler.max_running_requests,
         "MAX_BATCH_TOKENS": config.scheduler.max_batch_tokens,
         "KV_CACHE_MB": config.scheduler.kv_cache_mb, "DTYPE": config.scheduler.dtype,
+        "QUANTIZATION": config.scheduler.quantization,
         "DEVICE": config.scheduler.device, "NUM_THREADS": config.scheduler.num_threads,
         "REQUEST_TIMEOUT": config.api.request_timeout_s,
         "MAX_QUEUED_REQUESTS": config.api.max_queued_requests, "LOG_LEVEL": log_level,
@@ -103,7 +108,8 @@ def serve(
     detokenizers: Annotated[int, _opt("DETOKENIZERS", "Detokenizer processes.")] = 1,
     api_key: ApiKey = None, max_running_requests: MaxRunning = 64,
     max_batch_tokens: MaxBatchTokens = 512, kv_cache_mb: KvCacheMb = 512, dtype: Dtype = "auto",
-    device: Device = "auto", num_threads: Threads = None, request_timeout: Timeout = 600.0,
+    quantization: Quantization = "auto", device: Device = "auto", num_threads: Threads = None,
+    request_timeout: Timeout = 600.0,
     max_queued_requests: MaxQueued = 1024, alive_ttl_s: AliveTtl = 5.0,
     log_level: LogLevel = "info",
 ) -> None:
@@ -118,7 +124,8 @@ def serve(
     config = build_config(
         redis_url=redis_url or "", prefix=prefix, model=model, host=host, port=port,
         api_key=api_key, max_running_requests=max_running_requests,
-        max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb, dtype=dtype, device=device,
+        max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb, dtype=dtype,
+        quantization=quantization, device=device,
         num_threads=num_threads, request_timeout=request_timeout,
         max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s)
     counts = {"api": api_workers, "scheduler": schedulers, "detokenizer": detokenizers}
@@ -135,7 +142,8 @@ def worker(
     api_workers: Annotated[int, _opt("API_WORKERS", "uvicorn worker processes (api).")] = 1,
     api_key: ApiKey = None, max_running_requests: MaxRunning = 64,
     max_batch_tokens: MaxBatchTokens = 512, kv_cache_mb: KvCacheMb = 512, dtype: Dtype = "auto",
-    device: Device = "auto", num_threads: Threads = None, request_timeout: Timeout = 600.0,
+    quantization: Quantization = "auto", device: Device = "auto", num_threads: Threads = None,
+    request_timeout: Timeout = 600.0,
     max_queued_requests: MaxQueued = 1024, alive_ttl_s: AliveTtl = 5.0,
     log_level: LogLevel = "info",
 ) -> None:
@@ -146,7 +154,8 @@ def worker(
     config = build_config(
         redis_url=redis_url or "redis://127.0.0.1:6379/0", prefix=prefix, model=model,
         host=host, port=port, api_key=api_key, max_running_requests=max_running_requests,
-        max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb, dtype=dtype, device=device,
+        max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb, dtype=dtype,
+        quantization=quantization, device=device,
         num_threads=num_threads, request_timeout=request_timeout,
         max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s)
     config = _with_worker_id(config, role, worker_id)

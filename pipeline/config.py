@@ -39,6 +39,10 @@ class SchedulerConfig:
     kv_cache_mb: int = 512  # KV memory budget; sets the number of blocks
     block_size: int = 16
     dtype: str = "auto"  # auto | bfloat16 | float32 | float16
+    # auto: on the CPU, unless dtype is float32, small batches read 4- or 8-bit
+    # weights where the checkpoint is exactly that already (a Q4_1/Q8_0 GGUF)
+    # | int4: quantize any checkpoint to 4 bits | none
+    quantization: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     attention_backend: str = "auto"  # auto | torch | flashinfer
     num_threads: int | None = None  # torch intra-op threads; None: torch's default

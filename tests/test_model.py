@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen3Config
 
 from pipeline.messages import Sampling
-from workers.scheduler.attention import KVCache, TorchAttention
+from workers.scheduler.attention import TorchAttention, make_cache
 from workers.scheduler.batcher import Chunk, StepPlan
 from workers.scheduler.blocks import BlockAllocator
 from workers.scheduler.model import LlamaModel, read_spec
@@ -24,8 +24,8 @@ def all_logits(model: LlamaModel, prompts: list[list[int]]) -> list[torch.Tensor
     """Logits at every position of every prompt, all prompts in one forward."""
     spec = model.spec
     allocator = BlockAllocator(64, BLOCK)
-    cache = KVCache(spec.num_layers, 64, BLOCK, spec.num_kv_heads, spec.head_dim, model.dtype,
-                    torch.device("cpu"))
+    cache = make_cache("torch", spec.num_layers, 64, BLOCK, spec.num_kv_heads, spec.head_dim,
+                       model.dtype, torch.device("cpu"))
     attention = TorchAttention(cache, spec.num_heads, spec.num_kv_heads, spec.head_dim)
     plan = StepPlan(block_size=BLOCK)
     for i, ids in enumerate(prompts):

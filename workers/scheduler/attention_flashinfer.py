@@ -54,7 +54,7 @@ class FlashInferAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:
-        self.cache.k_flat[layer].index_copy_(0, self.slots, k)
-        self.cache.v_flat[layer].index_copy_(0, self.slots, v)
+        self.cache.k[layer].view(-1, *k.shape[1:]).index_copy_(0, self.slots, k)
+        self.cache.v[layer].view(-1, *v.shape[1:]).index_copy_(0, self.slots, v)
         out = self.wrapper.run(q.contiguous(), (self.cache.k[layer], self.cache.v[layer]))
         return out.reshape(q.shape[0], -1)

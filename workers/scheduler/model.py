@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from workers.scheduler.linear import Dense, make_linear
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -64,56 +66,58 @@ def read_spec(model_dir: Path) -> ModelSpec:
 @dataclass
 class Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # q, k and v projections stacked: one matmul
-    qkv_bias: torch.Tensor | None
+    qkv: Dense  # q, k and v projections stacked: one matmul
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor
+    o: Dense
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # gate and up stacked: one matmul
-    down: torch.Tensor
+    gate_up: Dense  # gate and up stacked: one matmul
+    down: Dense
 
 
 class LlamaModel:
-    """Transposed weights ([in, out]) so each projection is a plain `x @ w`."""
+    """`quantization` is make_linear's mode for every projection."""
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype):
-        self.spec, self.dtype = spec, dtype
+                 dtype: torch.dtype, quantization: str = "none"):
+        self.spec, self.dtype, self.quantization = spec, dtype, quantization
 
         def get(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
 
         self.embed = get("model.embed_tokens.weight")
-        self.lm_head_t = (self.embed if spec.tie_embeddings else get("lm_head.weight")).t()
+        head = "model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight"
+        self.lm_head = make_linear(weights[head].to(device), None, dtype, quantization)
         self.norm = get("model.norm.weight")
-        self.layers = [self._layer(get, weights, f"model.layers.{i}.")
+        self.layers = [self._layer(get, weights, f"model.layers.{i}.", device)
                        for i in range(spec.num_layers)]
         self.cos, self.sin = rope_tables(spec, device, dtype)
 
-    def _layer(self, get, weights: dict, p: str) -> Layer:
+    def _layer(self, get, weights: dict, p: str, device: torch.device) -> Layer:
+        def linear(names: list[str], bias: bool = False) -> Dense:
+            weight = torch.cat([weights[n + ".weight"] for n in names]).to(device)
+            b = torch.cat([weights[n + ".bias"] for n in names]).to(device) if bias else None
+            return make_linear(weight, b, self.dtype, self.quantization)
+
         attn = p + "self_attn."
-        qkv = torch.cat([get(attn + f"{n}_proj.weight") for n in "qkv"]).t().contiguous()
-        bias = (torch.cat([get(attn + f"{n}_proj.bias") for n in "qkv"])
-                if self.spec.qkv_bias else None)
-        gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
         return Layer(
-            input_norm=get(p + "input_layernorm.weight"), qkv=qkv, qkv_bias=bias,
+            input_norm=get(p + "input_layernorm.weight"),
+            qkv=linear([attn + f"{n}_proj" for n in "qkv"], bias=self.spec.qkv_bias),
             q_norm=get(attn + "q_norm.weight") if self.spec.qk_norm else None,
             k_norm=get(attn + "k_norm.weight") if self.spec.qk_norm else None,
-            o=get(attn + "o_proj.weight").t().contiguous(),
-            post_norm=get(p + "post_attention_layernorm.weight"),
-            gate_up=gate_up.t().contiguous(), down=get(p + "mlp.down_proj.weight").t().contiguous(),
+            o=linear([attn + "o_proj"]), post_norm=get(p + "post_attention_layernorm.weight"),
+            gate_up=linear([p + "mlp.gate_proj", p + "mlp.up_proj"]),
+            down=linear([p + "mlp.down_proj"]),
         )
 
     @classmethod
-    def load(cls, model_dir: Path, spec: ModelSpec, device: torch.device,
-             dtype: torch.dtype) -> LlamaModel:
+    def load(cls, model_dir: Path, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
+             quantization: str = "none") -> LlamaModel:
         weights: dict[str, torch.Tensor] = {}
         for file in sorted(model_dir.glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as f:
                 weights.update({name: f.get_tensor(name) for name in f.keys()})
-        return cls(spec, weights, device, dtype)
+        return cls(spec, weights, device, dtype, quantization)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logit_rows: torch.Tensor,
                 attend) -> torch.Tensor:
@@ -126,8 +130,7 @@ class LlamaModel:
         # rope and (Qwen3) q/k norm run once over q and k side by side
         for index, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, spec.rms_eps)
-            qkv = x @ layer.qkv if layer.qkv_bias is None else torch.addmm(layer.qkv_bias, x,
-                                                                           layer.qkv)
+            qkv = layer.qkv(x)
             qk, v = qkv.split([num_q + num_kv, num_kv], dim=-1)
             qk = qk.view(-1, spec.num_heads + spec.num_kv_heads, spec.head_dim)
             if layer.q_norm is not None:
@@ -136,12 +139,12 @@ class LlamaModel:
                     rms_norm(qk[:, spec.num_heads:], layer.k_norm, spec.rms_eps)], dim=1)
             q, k = apply_rope(qk, cos, sin).split([spec.num_heads, spec.num_kv_heads], dim=1)
             out = attend(index, q, k, v.view(-1, spec.num_kv_heads, spec.head_dim))
-            h = h + out @ layer.o
+            h = h + layer.o(out)
             x = rms_norm(h, layer.post_norm, spec.rms_eps)
-            gate, up = (x @ layer.gate_up).chunk(2, dim=-1)
-            h = h + (F.silu(gate) * up) @ layer.down
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
         x = rms_norm(h[logit_rows], self.norm, spec.rms_eps)
-        return (x @ self.lm_head_t).float()
+        return self.lm_head(x).float()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
