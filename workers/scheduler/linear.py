@@ -10,9 +10,12 @@ from __future__ import annotations
 import torch
 
 GROUP = 32
-# rows up to which the 4-bit kernel beats the bf16 matmul on this CPU
-# (576x3072, 2 threads: 0.08 vs 0.29 ms at 1 row, 2.1 vs 1.8 ms at 64)
-SMALL_BATCH = 32
+# rows up to which the 4-bit kernel beats the dense matmul, by the dense dtype.
+# Measured as whole engine steps on SmolLM2, one thread, on a host where fp32
+# matmul is 1.7x bf16's: beside fp32, 4-bit steps take 33/60/109/188 ms at
+# 4/8/16/24 rows, dense ones 69/99/120/143 ms. (A lone matmul whose weight stays
+# in cache says ~6 rows: wrong, a step streams every weight from memory.)
+SMALL_BATCH = {torch.bfloat16: 32, torch.float32: 16}
 LOSSLESS = 1e-3  # of a group's scale: the weight was 4-bit to begin with
 
 
@@ -21,6 +24,7 @@ class Dense:
         """`weight` as stored, [out, in]; kept transposed so a projection is `x @ w`."""
         self.weight_t = weight.to(dtype).t().contiguous()
         self.bias = None if bias is None else bias.to(dtype)
+        self.small_batch = SMALL_BATCH.get(dtype, 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None:
@@ -36,7 +40,7 @@ class Int4(Dense):
         self.scales_zeros = scales_zeros.to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > SMALL_BATCH:
+        if x.shape[0] > self.small_batch:
             return super().__call__(x)
         # the kernel is fast with bf16 activations only (fp32: 40x slower, measured)
         out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP,
@@ -62,7 +66,7 @@ class Int8(Dense):
             torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > SMALL_BATCH:
+        if x.shape[0] > self.small_batch:
             return super().__call__(x)
         xb = x.to(torch.bfloat16)
         out = (torch._weight_int4pack_mm_for_cpu(xb, self.high, GROUP, self.high_sz)

@@ -1,0 +1,82 @@
+"""The projections: 4- and 8-bit weights reproduce a checkpoint that was 4- or
+8-bit already (SmolLM2's GGUF is Q4_1 with a Q8_0 embedding), a dense
+checkpoint stays dense unless asked, and big batches take the dense matmul."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from workers.scheduler.linear import (
+    SMALL_BATCH,
+    Dense,
+    Int4,
+    Int8,
+    make_linear,
+    quantize_int4,
+    quantize_int8,
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(model_files):
+    path = next(model_files.path.glob("*.safetensors"))
+    with safe_open(str(path), framework="pt") as f:
+        return {name: f.get_tensor(name) for name in (
+            "model.layers.0.self_attn.q_proj.weight", "model.layers.7.mlp.down_proj.weight",
+            "model.embed_tokens.weight")}
+
+
+def relative_error(mine: torch.Tensor, theirs: torch.Tensor) -> float:
+    return ((mine.float() - theirs).norm() / theirs.norm()).item()
+
+
+def test_q4_1_weights_requantize_exactly(checkpoint):
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.mlp.down_proj.weight"):
+        weight = checkpoint[name]
+        levels, scales_zeros, error = quantize_int4(weight)
+        assert error < 1e-3  # every weight sits on its group's 16-level grid
+        scale, zero = scales_zeros[..., 0].t(), scales_zeros[..., 1].t()  # [out, groups]
+        groups = (levels.float().reshape(*scale.shape, -1) - 8) * scale[..., None]
+        rebuilt = (groups + zero[..., None]).reshape(weight.shape)
+        assert (rebuilt - weight).abs().max().item() < 1e-5 * weight.abs().max().item()
+
+
+def test_q8_0_embedding_requantizes_exactly_and_not_as_4_bit(checkpoint):
+    weight = checkpoint["model.embed_tokens.weight"]
+    assert quantize_int4(weight)[2] > 0.1
+    levels, scale, error = quantize_int8(weight)
+    assert error < 1e-3
+    rebuilt = (levels.float().reshape(*scale.shape[:2], -1) * scale).reshape(weight.shape)
+    assert (rebuilt - weight).abs().max().item() < 1e-5 * weight.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lossless_mode_picks_the_checkpoints_own_width(checkpoint, dtype):
+    generator = torch.Generator().manual_seed(0)
+    for name, kind in (("model.layers.7.mlp.down_proj.weight", Int4),
+                       ("model.embed_tokens.weight", Int8)):
+        weight = checkpoint[name]
+        linear = make_linear(weight, None, dtype, "lossless")
+        assert type(linear) is kind
+        for rows in (1, SMALL_BATCH[dtype], SMALL_BATCH[dtype] + 1):
+            x = torch.randn(rows, weight.shape[1], generator=generator).to(dtype)
+            out = linear(x)
+            assert out.dtype == dtype and out.shape == (rows, weight.shape[0])
+            # bf16 activations in the kernel: bf16-sized error, not quantization-sized
+            assert relative_error(out, x.float() @ weight.t()) < 1e-2
+
+
+def test_dense_checkpoints_stay_dense_unless_int4_is_asked():
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(64, 128, generator=generator), torch.randn(64, generator=generator)
+    assert type(make_linear(weight, bias, torch.bfloat16, "lossless")) is Dense
+    assert type(make_linear(weight, bias, torch.bfloat16, "none")) is Dense
+    forced = make_linear(weight, bias, torch.bfloat16, "int4")
+    assert type(forced) is Int4
+    x = torch.randn(4, 128, generator=generator)
+    exact = x @ weight.t() + bias
+    error = relative_error(forced(x.bfloat16()), exact)
+    assert 1e-3 < error < 0.1  # 4 bits of a gaussian weight: lossy, but close
+    assert relative_error(forced(torch.cat([x] * 16).bfloat16())[:4], exact) < 1e-2  # dense
