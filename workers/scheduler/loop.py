@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import msgspec
@@ -52,9 +53,11 @@ class Running:
 
 
 class Scheduler:
-    def __init__(self, config: Config, engine: Engine, tokenizer: Tokenizer):
+    def __init__(self, config: Config, engine: Engine, tokenizer: Tokenizer,
+                 engine_thread: ThreadPoolExecutor):
         self.config = config
         self.engine = engine
+        self.engine_thread = engine_thread
         self.tokenizer = tokenizer
         self.keys = Keys(config.redis.prefix)
         self.worker_id = config.scheduler.scheduler_id or new_worker_id("scheduler")
@@ -87,7 +90,8 @@ class Scheduler:
         if time.monotonic() >= self.next_upkeep:
             await self.upkeep()
         await self.receive()
-        results = await asyncio.to_thread(self.engine.step) if self.engine.has_work() else []
+        results = (await asyncio.get_running_loop().run_in_executor(
+            self.engine_thread, self.engine.step) if self.engine.has_work() else [])
         await self.emit(results)
 
     async def receive(self) -> None:
@@ -257,8 +261,12 @@ class Scheduler:
 
 
 async def run(config: Config, model: ModelFiles) -> None:
-    engine = await asyncio.to_thread(Engine, model.path, config.scheduler)
-    scheduler = Scheduler(config, engine, Tokenizer(model.path))
+    # one thread runs the engine, always the same: torch.set_num_threads holds
+    # for the thread that called it only (a fresh thread gets every core)
+    engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+    engine = await asyncio.get_running_loop().run_in_executor(
+        engine_thread, Engine, model.path, config.scheduler)
+    scheduler = Scheduler(config, engine, Tokenizer(model.path), engine_thread)
     await retrying(scheduler.join, "scheduler join")
     log.info("scheduler %s pulling %s", scheduler.worker_id, scheduler.keys.requests)
     beat = asyncio.create_task(heartbeat_forever(

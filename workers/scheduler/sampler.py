@@ -67,16 +67,21 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         device = logits.device
+        picks = logits.argmax(dim=-1)
+        sampled = [row for row, s in enumerate(seqs) if s.sampling.temperature > 0]
+        if not sampled:  # all greedy: no noise to draw (its [rows, vocab] ops cost ms)
+            return picks
+        seqs = [seqs[row] for row in sampled]
+        rows = torch.tensor(sampled, dtype=torch.long, device=device)
         temperature = torch.tensor([s.sampling.temperature for s in seqs], device=device)
-        greedy = temperature == 0
-        scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+        scaled = logits[rows] / temperature[:, None]
         if any(_has_filter(s) for s in seqs):
             scaled = apply_filters(scaled, seqs)
         seeds = torch.tensor([s.seed for s in seqs], dtype=torch.long, device=device)
         positions = torch.tensor([s.num_output_tokens for s in seqs], device=device)
         noise = gumbel_noise(seeds, positions, logits.shape[-1])
-        drawn = (torch.log_softmax(scaled, dim=-1) + noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), drawn)
+        picks[rows] = (torch.log_softmax(scaled, dim=-1) + noise).argmax(dim=-1)
+        return picks
 
 
 def _reaches_min_tokens(seq: Sequence) -> bool:
