@@ -256,8 +256,10 @@ class Scheduler:
             raise
 
     def info(self) -> dict:
-        return {"model": self.config.model, "num_expired": self.num_expired} | asdict(
-            self.engine.stats())
+        engine = self.engine
+        return {"model": self.config.model, "dtype": str(engine.dtype).removeprefix("torch."),
+                "quantization": engine.quantization, "num_expired": self.num_expired} | asdict(
+            engine.stats())
 
 
 async def run(config: Config, model: ModelFiles) -> None:
