@@ -8,6 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from pipeline.errors import ConfigError
+from workers.scheduler.engine import resolve_dtype, resolve_quantization
 from workers.scheduler.linear import (
     SMALL_BATCH,
     Dense,
@@ -80,3 +82,17 @@ def test_dense_checkpoints_stay_dense_unless_int4_is_asked():
     error = relative_error(forced(x.bfloat16()), exact)
     assert 1e-3 < error < 0.1  # 4 bits of a gaussian weight: lossy, but close
     assert relative_error(forced(torch.cat([x] * 16).bfloat16())[:4], exact) < 1e-2  # dense
+
+
+def test_quantization_modes_resolve_by_device_and_dtype():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_quantization("auto", cpu, "auto") == "lossless"
+    assert resolve_quantization("auto", cpu, "bfloat16") == "lossless"
+    assert resolve_quantization("auto", cpu, "float32") == "none"  # fp32 numerics throughout
+    assert resolve_quantization("int4", cpu, "float32") == "int4"
+    assert resolve_quantization("auto", cuda, "auto") == "none"
+    with pytest.raises(ConfigError):
+        resolve_quantization("int4", cuda, "auto")
+    with pytest.raises(ConfigError):
+        resolve_quantization("int3", cpu, "auto")
+    assert resolve_dtype("auto", cpu) in (torch.bfloat16, torch.float32)
