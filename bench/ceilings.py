@@ -1,0 +1,78 @@
+"""What this machine's matmuls allow for SmolLM2-135M, with nothing else running:
+peak GFLOP/s per dtype, and the time of one step's projections (30 layers of
+qkv, o, gate_up, down, plus the lm_head) at 1, 16 and 64 rows in fp32, bf16 and
+4-bit, weights hot in cache. Any engine step is slower than its row here.
+Run: .venv/bin/python bench/ceilings.py [--threads N]"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from workers.scheduler.linear import Int4, Int8, quantize_int4, quantize_int8
+
+HIDDEN, INTER, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152
+SHAPES = [(HIDDEN + 2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+PARAMS = LAYERS * sum(o * i for o, i in SHAPES) + VOCAB * HIDDEN
+
+
+def best_ms(fn, reps: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1000
+
+
+def peak_gflops(dtype: torch.dtype, n: int = 2048) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return 2 * n**3 / best_ms(lambda: a @ b) / 1e6
+
+
+def step_ms(rows: int, kind: str) -> float:
+    """One step's projections; each distinct shape once, scaled by its count."""
+    generator = torch.Generator().manual_seed(0)
+    total = 0.0
+    for (out_dim, in_dim), count in [*((s, LAYERS) for s in SHAPES), ((VOCAB, HIDDEN), 1)]:
+        weight = torch.randn(out_dim, in_dim, generator=generator) * 0.02
+        x = torch.randn(rows, in_dim, generator=generator)
+        if kind == "4-bit":
+            if out_dim == VOCAB:  # the lm_head is 8-bit (Q8_0), run as two 4-bit halves
+                levels, scale, _ = quantize_int8(weight)
+                layer = Int8(weight, None, torch.float32, levels, scale)
+            else:
+                levels, scales_zeros, _ = quantize_int4(weight)
+                layer = Int4(weight, None, torch.float32, levels, scales_zeros)
+            layer.small_batch = rows
+            total += count * best_ms(lambda layer=layer, x=x: layer(x))
+        else:
+            dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+            w, xd = weight.t().contiguous().to(dtype), x.to(dtype)
+            total += count * best_ms(lambda w=w, xd=xd: xd @ w)
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"threads {torch.get_num_threads()}; {PARAMS / 1e6:.1f}M projection parameters")
+    for dtype in (torch.float32, torch.bfloat16):
+        peak = peak_gflops(dtype)
+        print(f"peak {str(dtype)[6:]:>8}: {peak:6.0f} GFLOP/s -> 64 rows of projections "
+              f"in >= {64 * 2 * PARAMS / peak / 1e6:.0f} ms")
+    with torch.inference_mode():
+        for rows in (1, 16, 64):
+            line = ", ".join(f"{kind} {step_ms(rows, kind):6.1f} ms"
+                             for kind in ("fp32", "bf16", "4-bit"))
+            print(f"{rows:3d} rows: {line}")
+
+
+if __name__ == "__main__":
+    main()
