@@ -249,7 +249,7 @@ def plot(record: dict, path: Path) -> None:
     axes.bar([p - 0.2 for p in positions], ours, width=0.4, label="pipeline serve")
     axes.bar([p + 0.2 for p in positions], theirs, width=0.4, label="transformers generate")
     for p, entry, height in zip(positions, record["levels"], ours, strict=True):
-        axes.annotate(f"{entry['ratio']:.1f}x", (p - 0.2, height), ha="center", va="bottom")
+        axes.annotate(f"{entry['ratio']:.2f}x", (p - 0.2, height), ha="center", va="bottom")
     axes.set_xticks(list(positions), labels)
     axes.set_xlabel("concurrency (ours) / static batch size (transformers)")
     axes.set_ylabel("output tokens/s")
