@@ -45,7 +45,8 @@ MaxBatchTokens = Annotated[int, _opt("MAX_BATCH_TOKENS", "Tokens per step (chunk
 KvCacheMb = Annotated[int, _opt("KV_CACHE_MB", "KV cache memory budget per scheduler, MiB.")]
 Dtype = Annotated[str, _opt("DTYPE", "auto | bfloat16 | float32 | float16.")]
 Quantization = Annotated[str, _opt("QUANTIZATION", "auto | int4 | none: 4-bit weights for small "
-                                   "batches (auto: only where the checkpoint is 4-bit).")]
+                                   "batches (auto: only where the checkpoint is exactly 4- or "
+                                   "8-bit already, on the CPU).")]
 Device = Annotated[str, _opt("DEVICE", "auto | cpu | cuda.")]
 Threads = Annotated[int | None, _opt("NUM_THREADS", "torch threads per scheduler.")]
 Timeout = Annotated[float, _opt("REQUEST_TIMEOUT", "Seconds before a request is abandoned.")]
