@@ -16,7 +16,7 @@ GROUP = 32
 # 4/8/16/24 rows, dense ones 69/99/120/143 ms. (A lone matmul whose weight stays
 # in cache says ~6 rows: wrong, a step streams every weight from memory.)
 SMALL_BATCH = {torch.bfloat16: 32, torch.float32: 16}
-LOSSLESS = 1e-3  # of a group's scale: the weight was 4-bit to begin with
+LOSSLESS = 1e-3  # of a group's scale: the weight was 4- or 8-bit to begin with
 
 
 class Dense:
