@@ -101,7 +101,8 @@ def lossless_everywhere(path: Path, spec) -> LlamaModel:
     model = LlamaModel.load(path, spec, torch.device("cpu"), torch.bfloat16, "lossless")
     for linear in [model.lm_head] + [getattr(layer, name) for layer in model.layers
                                      for name in PROJECTIONS]:
-        linear.small_batch = 1 << 30  # the 4/8-bit kernels even for the whole prompt
+        if type(linear) is not Dense:  # the 4/8-bit kernels even for the whole prompt
+            linear.small_batch = 1 << 30
     return model
 
 

@@ -22,7 +22,7 @@ class KVCache:
                  head_dim: int, dtype: torch.dtype, device: torch.device, layout: str = "NHD"):
         shape = ((num_blocks, block_size, num_kv_heads, head_dim) if layout == "NHD"
                  else (num_kv_heads, num_blocks * block_size, head_dim))
-        self.layout, self.dtype = layout, dtype
+        self.dtype = dtype
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
@@ -117,9 +117,8 @@ class TorchAttention:
         """q [T, heads, dim], k and v [T, kv_heads, dim] -> [T, heads * dim]."""
         meta = self.meta
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-        kv_dtype = k_cache.dtype
-        k_cache.index_copy_(1, meta.slots, k.transpose(0, 1).to(kv_dtype))
-        v_cache.index_copy_(1, meta.slots, v.transpose(0, 1).to(kv_dtype))
+        k_cache.index_copy_(1, meta.slots, k.transpose(0, 1).to(self.cache.dtype))
+        v_cache.index_copy_(1, meta.slots, v.transpose(0, 1).to(self.cache.dtype))
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype,
                           device=q.device)
         if meta.num_decode:

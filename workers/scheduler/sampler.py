@@ -68,9 +68,8 @@ class Sampler:
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         device = logits.device
         picks = logits.argmax(dim=-1)
+        # noise only for the rows that sample: its [rows, vocab] ops cost ms
         sampled = [row for row, s in enumerate(seqs) if s.sampling.temperature > 0]
-        if not sampled:  # all greedy: no noise to draw (its [rows, vocab] ops cost ms)
-            return picks
         seqs = [seqs[row] for row in sampled]
         rows = torch.tensor(sampled, dtype=torch.long, device=device)
         temperature = torch.tensor([s.sampling.temperature for s in seqs], device=device)
