@@ -84,6 +84,20 @@ def test_dense_checkpoints_stay_dense_unless_int4_is_asked():
     assert relative_error(forced(torch.cat([x] * 16).bfloat16())[:4], exact) < 1e-2  # dense
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+def test_onednn_dense_matches_the_plain_matmul(checkpoint):
+    generator = torch.Generator().manual_seed(0)
+    weight = checkpoint["model.layers.0.self_attn.q_proj.weight"]
+    bias = torch.randn(weight.shape[0], generator=generator)
+    for b in (None, bias):
+        plain, onednn = Dense(weight, b, torch.float32), Dense(weight, b, torch.float32, True)
+        for rows in (1, 70):
+            x = torch.randn(rows, 2 * weight.shape[1], generator=generator)[:, ::2]  # strided
+            assert relative_error(onednn(x), plain(x)) < 1e-5
+    quantized = make_linear(weight, None, torch.float32, "lossless", onednn=True)
+    assert type(quantized) is Int4 and quantized.small_batch < SMALL_BATCH[torch.float32]
+
+
 def test_quantization_modes_resolve_by_device_and_dtype():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_quantization("auto", cpu, "auto") == "lossless"

@@ -65,12 +65,13 @@ def hf_smollm(model_files):
     return AutoModelForCausalLM.from_pretrained(model_files.path, dtype=torch.float32)
 
 
-def load(path, dtype: torch.dtype) -> LlamaModel:
-    return LlamaModel.load(path, read_spec(path), torch.device("cpu"), dtype)
+def load(path, dtype: torch.dtype, onednn: bool = False) -> LlamaModel:
+    return LlamaModel.load(path, read_spec(path), torch.device("cpu"), dtype, onednn=onednn)
 
 
-def test_fp32_logits_match_transformers_llama(model_files, hf_smollm, prompts):
-    ours = all_logits(load(model_files.path, torch.float32), prompts)
+@pytest.mark.parametrize("onednn", [False, True], ids=["blas", "onednn"])
+def test_fp32_logits_match_transformers_llama(model_files, hf_smollm, prompts, onednn):
+    ours = all_logits(load(model_files.path, torch.float32, onednn), prompts)
     for mine, theirs in zip(ours, reference_logits(hf_smollm, prompts), strict=True):
         assert (mine - theirs).abs().max().item() < 5e-3
 

@@ -258,7 +258,9 @@ class Scheduler:
     def info(self) -> dict:
         engine = self.engine
         return {"model": self.config.model, "dtype": str(engine.dtype).removeprefix("torch."),
-                "quantization": engine.quantization, "num_expired": self.num_expired} | asdict(
+                "quantization": engine.quantization,
+                "matmul": "onednn" if engine.onednn else "blas",
+                "num_expired": self.num_expired} | asdict(
             engine.stats())
 
 

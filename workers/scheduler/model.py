@@ -76,18 +76,19 @@ class Layer:
 
 
 class LlamaModel:
-    """`quantization` is make_linear's mode for every projection."""
+    """`quantization` and `onednn` are make_linear's for every projection."""
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, quantization: str = "none"):
-        self.spec, self.dtype, self.quantization = spec, dtype, quantization
+                 dtype: torch.dtype, quantization: str = "none", onednn: bool = False):
+        self.spec, self.dtype, self.quantization, self.onednn = spec, dtype, quantization, onednn
 
         def get(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
 
         self.embed = get("model.embed_tokens.weight")
         head = "model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight"
-        self.lm_head = make_linear(weights[head].to(device), None, dtype, quantization)
+        self.lm_head = make_linear(weights[head].to(device), None, dtype, quantization,
+                                   onednn)
         self.norm = get("model.norm.weight")
         self.layers = [self._layer(get, weights, f"model.layers.{i}.", device)
                        for i in range(spec.num_layers)]
@@ -97,7 +98,7 @@ class LlamaModel:
         def linear(names: list[str], bias: bool = False) -> Dense:
             weight = torch.cat([weights[n + ".weight"] for n in names]).to(device)
             b = torch.cat([weights[n + ".bias"] for n in names]).to(device) if bias else None
-            return make_linear(weight, b, self.dtype, self.quantization)
+            return make_linear(weight, b, self.dtype, self.quantization, self.onednn)
 
         attn = p + "self_attn."
         return Layer(
@@ -112,12 +113,12 @@ class LlamaModel:
 
     @classmethod
     def load(cls, model_dir: Path, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
-             quantization: str = "none") -> LlamaModel:
+             quantization: str = "none", onednn: bool = False) -> LlamaModel:
         weights: dict[str, torch.Tensor] = {}
         for file in sorted(model_dir.glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as f:
                 weights.update({name: f.get_tensor(name) for name in f.keys()})
-        return cls(spec, weights, device, dtype, quantization)
+        return cls(spec, weights, device, dtype, quantization, onednn)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logit_rows: torch.Tensor,
                 attend) -> torch.Tensor:
