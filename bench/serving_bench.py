@@ -27,7 +27,8 @@ LEVELS = {1: 8, 16: 32, 64: 64}  # concurrency or batch size -> requests at that
 PROMPT_WORDS, MAX_TOKENS, SEED = 24, 64, 0
 OUR_DTYPE = "auto"  # what `pipeline serve` picks on this machine
 # transformers runs in both and is credited with its faster one at each level: on
-# some hosts here bf16 matmul is 2x fp32, on others 1.7x slower
+# some hosts here bf16 matmul is 2x fp32, on others 1.7x slower. A CPU without a
+# bf16 matmul (no avx512_bf16 or amx_bf16) emulates it ~150x slower: fp32 only.
 HF_DTYPES = ("bfloat16", "float32")
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -141,9 +142,15 @@ def generate_batch(tokenizer, model, prompts: list[str]) -> tuple[float, int, li
     return elapsed_s, new_tokens, gaps
 
 
+def hf_dtypes() -> tuple[str, ...]:
+    from workers.scheduler.engine import cpu_has_bf16
+
+    return HF_DTYPES if cpu_has_bf16() else ("float32",)
+
+
 def measure_transformers() -> dict[int, dict]:
     """Each level at transformers' faster dtype."""
-    runs = [measure_transformers_in(dtype) for dtype in HF_DTYPES]
+    runs = [measure_transformers_in(dtype) for dtype in hf_dtypes()]
     return {level: max((run[level] for run in runs), key=lambda r: r["output_throughput"])
             for level in LEVELS}
 
@@ -181,6 +188,16 @@ def targets(levels: list[dict]) -> list[dict]:
     ]
 
 
+def cpu_model() -> str:
+    """The model name and the vector extensions that decide the matmuls here."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                 if line.startswith("model name")), platform.processor())
+    flags = sorted({f for f in info.split() if f in ("avx2", "avx512f", "avx512_bf16",
+                                                     "amx_bf16")})
+    return f"{name} ({', '.join(flags) or 'no AVX2'})"
+
+
 def build_record(ours: dict[int, dict], theirs: dict[int, dict]) -> dict:
     import torch
     import transformers
@@ -191,10 +208,10 @@ def build_record(ours: dict[int, dict], theirs: dict[int, dict]) -> dict:
               for level in LEVELS]
     return {
         "command": COMMAND, "created": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+        "machine": {"cpus": os.cpu_count(), "cpu": cpu_model(), "platform": platform.platform(),
                     "python": platform.python_version(), "torch": torch.__version__,
                     "transformers": transformers.__version__},
-        "settings": {"model": DEFAULT_MODEL, "dtype": OUR_DTYPE, "hf_dtypes": HF_DTYPES,
+        "settings": {"model": DEFAULT_MODEL, "dtype": OUR_DTYPE, "hf_dtypes": hf_dtypes(),
                      "prompt_words": PROMPT_WORDS,
                      "max_tokens": MAX_TOKENS, "greedy": True, "ignore_eos": True,
                      "endpoint": "completions (plain-text prompts on both sides)",
@@ -226,9 +243,10 @@ def markdown(record: dict) -> str:
         lines.append(f"- {'met' if target['met'] else 'NOT met'}: {target['name']} ({value})")
     settings = record["settings"]
     lines += ["", f"Made by `{record['command']}` at {record['created']} on "
-              f"{record['machine']['cpus']} CPUs ({record['machine']['platform']}): "
-              f"{settings['model']}, ours with --dtype {settings['dtype']}, transformers at the "
-              f"faster of {' and '.join(settings['hf_dtypes'])}; "
+              f"{record['machine']['cpus']} CPUs, {record['machine']['cpu']} "
+              f"({record['machine']['platform']}): "
+              f"{settings['model']}, ours with --dtype {settings['dtype']}, transformers in "
+              f"{' and '.join(settings['hf_dtypes'])} (the faster at each level); "
               f"{settings['prompt_words']}-word prompts, "
               f"{settings['max_tokens']} output tokens, greedy, ignore_eos; ours at concurrency "
               f"= level, transformers as static batches of that size, left-padded.", ""]
