@@ -143,7 +143,7 @@ def generate_batch(tokenizer, model, prompts: list[str]) -> tuple[float, int, li
 
 
 def hf_dtypes() -> tuple[str, ...]:
-    from workers.scheduler.engine import cpu_has_bf16
+    from workers.scheduler.calibrate import cpu_has_bf16
 
     return HF_DTYPES if cpu_has_bf16() else ("float32",)
 

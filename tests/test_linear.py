@@ -9,12 +9,14 @@ import torch
 from safetensors import safe_open
 
 from pipeline.errors import ConfigError
+from workers.scheduler import qgemm
 from workers.scheduler.engine import resolve_dtype, resolve_quantization
 from workers.scheduler.linear import (
-    SMALL_BATCH,
+    PLAIN,
     Dense,
     Int4,
     Int8,
+    Kernels,
     make_linear,
     quantize_int4,
     quantize_int8,
@@ -62,7 +64,7 @@ def test_lossless_mode_picks_the_checkpoints_own_width(checkpoint, dtype):
         weight = checkpoint[name]
         linear = make_linear(weight, None, dtype, "lossless")
         assert type(linear) is kind
-        for rows in (1, SMALL_BATCH[dtype], SMALL_BATCH[dtype] + 1):
+        for rows in (1, PLAIN.small_batch(dtype), PLAIN.small_batch(dtype) + 1):
             x = torch.randn(rows, weight.shape[1], generator=generator).to(dtype)
             out = linear(x)
             assert out.dtype == dtype and out.shape == (rows, weight.shape[0])
@@ -90,12 +92,46 @@ def test_onednn_dense_matches_the_plain_matmul(checkpoint):
     weight = checkpoint["model.layers.0.self_attn.q_proj.weight"]
     bias = torch.randn(weight.shape[0], generator=generator)
     for b in (None, bias):
-        plain, onednn = Dense(weight, b, torch.float32), Dense(weight, b, torch.float32, True)
+        plain = Dense(weight, b, torch.float32)
+        onednn = Dense(weight, b, torch.float32, Kernels(onednn=True))
         for rows in (1, 70):
             x = torch.randn(rows, 2 * weight.shape[1], generator=generator)[:, ::2]  # strided
             assert relative_error(onednn(x), plain(x)) < 1e-5
-    quantized = make_linear(weight, None, torch.float32, "lossless", onednn=True)
-    assert type(quantized) is Int4 and quantized.small_batch < SMALL_BATCH[torch.float32]
+    quantized = make_linear(weight, None, torch.float32, "lossless", Kernels(onednn=True))
+    assert type(quantized) is Int4 and quantized.small_batch < PLAIN.small_batch(torch.float32)
+
+
+needs_qgemm = pytest.mark.skipif(qgemm.load() is None, reason="no AVX2 CPU or no C compiler")
+
+
+@needs_qgemm
+def test_qgemm_is_exact_on_4_and_8_bit_weights(checkpoint):
+    """fp32 products of the exact dequantized weight, for every tile shape the
+    kernel has (1-3 rows, blocks of 4 and of 8, and what is left over)."""
+    generator = torch.Generator().manual_seed(0)
+    down = checkpoint["model.layers.7.mlp.down_proj.weight"]
+    embed = checkpoint["model.embed_tokens.weight"][:1024]
+    for weight, quantize, pack in ((down, quantize_int4, qgemm.pack_q4),
+                                   (embed, quantize_int8, qgemm.pack_q8)):
+        packed = pack(*quantize(weight)[:2])
+        for rows in (1, 2, 3, 4, 7, 8, 13, 64):
+            x = torch.randn(rows, weight.shape[1], generator=generator)
+            out = qgemm.matmul(x, packed)
+            assert out.shape == (rows, weight.shape[0])
+            assert relative_error(out, x @ weight.float().t()) < 1e-5
+
+
+@needs_qgemm
+def test_qgemm_kernels_serve_small_batches_in_fp32(checkpoint):
+    generator = torch.Generator().manual_seed(0)
+    kernels = Kernels(onednn=True, qgemm=True)
+    weight = checkpoint["model.layers.0.self_attn.q_proj.weight"]
+    bias = torch.randn(weight.shape[0], generator=generator)
+    linear = make_linear(weight, bias, torch.float32, "lossless", kernels)
+    assert type(linear) is Int4 and linear.small_batch == kernels.small_batch(torch.float32)
+    for rows in (1, linear.small_batch, linear.small_batch + 1):
+        x = torch.randn(rows, weight.shape[1], generator=generator)
+        assert relative_error(linear(x), x @ weight.t() + bias) < 1e-5  # fp32, not bf16
 
 
 def test_quantization_modes_resolve_by_device_and_dtype():

@@ -11,9 +11,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen3Config
 
 from pipeline.messages import Sampling
+from workers.scheduler import qgemm
 from workers.scheduler.attention import TorchAttention, make_cache
 from workers.scheduler.batcher import Chunk, StepPlan
 from workers.scheduler.blocks import BlockAllocator
+from workers.scheduler.linear import PLAIN, Kernels
 from workers.scheduler.model import LlamaModel, read_spec
 from workers.scheduler.sequence import Sequence
 
@@ -65,13 +67,24 @@ def hf_smollm(model_files):
     return AutoModelForCausalLM.from_pretrained(model_files.path, dtype=torch.float32)
 
 
-def load(path, dtype: torch.dtype, onednn: bool = False) -> LlamaModel:
-    return LlamaModel.load(path, read_spec(path), torch.device("cpu"), dtype, onednn=onednn)
+def load(path, dtype: torch.dtype, kernels: Kernels = PLAIN,
+         quantization: str = "none") -> LlamaModel:
+    return LlamaModel.load(path, read_spec(path), torch.device("cpu"), dtype, quantization,
+                           kernels)
 
 
-@pytest.mark.parametrize("onednn", [False, True], ids=["blas", "onednn"])
-def test_fp32_logits_match_transformers_llama(model_files, hf_smollm, prompts, onednn):
-    ours = all_logits(load(model_files.path, torch.float32, onednn), prompts)
+FP32_KERNELS = {
+    "torch": (PLAIN, "none"), "onednn": (Kernels(onednn=True), "none"),
+    # the checkpoint's own 4- and 8-bit weights, exact, with fp32 activations
+    "qgemm": (Kernels(onednn=True, qgemm=True), "lossless")}
+
+
+@pytest.mark.parametrize("name", FP32_KERNELS)
+def test_fp32_logits_match_transformers_llama(model_files, hf_smollm, prompts, name):
+    kernels, quantization = FP32_KERNELS[name]
+    if kernels.qgemm and qgemm.load() is None:
+        pytest.skip("no AVX2 CPU or no C compiler")
+    ours = all_logits(load(model_files.path, torch.float32, kernels, quantization), prompts)
     for mine, theirs in zip(ours, reference_logits(hf_smollm, prompts), strict=True):
         assert (mine - theirs).abs().max().item() < 5e-3
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from workers.scheduler.attention import (
 )
 from workers.scheduler.batcher import Batcher, StepPlan
 from workers.scheduler.blocks import BlockAllocator
+from workers.scheduler.calibrate import choose_kernels, cpu_has_bf16, faster_cpu_dtype
 from workers.scheduler.model import LlamaModel, read_spec
 from workers.scheduler.sampler import Sampled, Sampler
 from workers.scheduler.sequence import Sequence
@@ -61,14 +61,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         if device.type == "cuda":
@@ -78,43 +70,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in dtypes:
         raise ConfigError(f"unknown dtype {name!r}: one of auto, {', '.join(dtypes)}")
     return dtypes[name]
-
-
-def faster_cpu_dtype() -> torch.dtype:
-    """bf16 where its matmul is clearly faster than fp32's. CPUs that list
-    avx512_bf16 differ: 2x faster on one host here, 1.7x slower on another."""
-    def best_ms(dtype: torch.dtype) -> float:
-        x, w = torch.randn(64, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
-        times = []
-        for _ in range(7):
-            start = time.perf_counter()
-            x @ w
-            times.append(time.perf_counter() - start)
-        return min(times[2:])
-
-    return torch.bfloat16 if best_ms(torch.bfloat16) < 0.9 * best_ms(torch.float32) else (
-        torch.float32)
-
-
-def onednn_is_faster(in_dim: int, out_dim: int) -> bool:
-    """Whether oneDNN on a packed weight beats torch's own fp32 matmul (MKL's
-    sgemm) on one of the model's projections at 32 rows; the two alternate, so
-    drift in the clock hits both. On this project's AMD host oneDNN wins by
-    1.3-1.6x at 2-128 rows; MKL may well win on Intel's."""
-    x, weight = torch.randn(32, in_dim), torch.randn(out_dim, in_dim)
-    weight_t = weight.t().contiguous()
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-    candidates = [lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-                  lambda: x @ weight_t]
-    best = [float("inf")] * 2
-    with torch.inference_mode():
-        for rep in range(24):
-            for i, fn in enumerate(candidates):
-                start = time.perf_counter()
-                fn()
-                if rep >= 3:
-                    best[i] = min(best[i], time.perf_counter() - start)
-    return best[0] < 0.9 * best[1]
 
 
 def resolve_quantization(name: str, device: torch.device, dtype_name: str) -> str:
@@ -142,11 +97,9 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         spec = read_spec(Path(model_path))
         self.quantization = resolve_quantization(config.quantization, self.device, config.dtype)
-        self.onednn = (self.device.type == "cpu" and self.dtype == torch.float32
-                       and torch.backends.mkldnn.is_available()
-                       and onednn_is_faster(spec.hidden_size, 2 * spec.intermediate_size))
+        self.kernels = choose_kernels(self.device, self.dtype, self.quantization, spec)
         self.model = LlamaModel.load(Path(model_path), spec, self.device, self.dtype,
-                                     self.quantization, self.onednn)
+                                     self.quantization, self.kernels)
         backend = choose_backend(config.attention_backend, self.device)
         per_block = bytes_per_block(spec.num_layers, config.block_size, spec.num_kv_heads,
                                     spec.head_dim, kv_dtype(backend, self.dtype, self.device))

@@ -4,38 +4,57 @@
 # scale and a minimum: GGUF's Q4_1 layout) that small batches read instead. A
 # decode step of a few rows is bound by reading weights, and 4 bits are a
 # quarter of bf16's bytes; a big batch is bound by compute, where the dense
-# matmul wins.
+# matmul wins. The 4-bit matmul is torch's kernel or our AVX2 one (qgemm).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from workers.scheduler import qgemm
+
 GROUP = 32
-# rows up to which the 4-bit kernel beats the dense matmul, by the dense dtype.
-# Measured as whole engine steps on SmolLM2, one thread, on a host where fp32
-# matmul is 1.7x bf16's: beside fp32, 4-bit steps take 33/60/109/188 ms at
-# 4/8/16/24 rows, dense ones 69/99/120/143 ms. (A lone matmul whose weight stays
-# in cache says ~6 rows: wrong, a step streams every weight from memory.)
-# Beside fp32 through oneDNN, on an AMD host: 12 rows (4-bit 0.95x at 12, 1.08x at 16).
-SMALL_BATCH = {torch.bfloat16: 32, torch.float32: 16}
-SMALL_BATCH_ONEDNN = 12
 LOSSLESS = 1e-3  # of a group's scale: the weight was 4- or 8-bit to begin with
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Which matmuls run; the engine times the candidates on the host at hand."""
+    onednn: bool = False  # dense fp32 through oneDNN rather than MKL's sgemm
+    qgemm: bool = False  # 4- and 8-bit through qgemm.c rather than torch's kernel
+
+    def small_batch(self, dtype: torch.dtype) -> int:
+        """Rows up to which the 4-bit path beats the dense matmul, measured as
+        whole engine steps on SmolLM2 (a lone matmul whose weight stays in cache
+        misleads: a step streams every weight from memory).
+        - torch's kernel beside MKL fp32, on a host where fp32 is 1.7x bf16: 16
+          rows (4-bit 33/60/109 ms at 4/8/16 rows, dense 69/99/120); beside bf16, 32.
+        - torch's kernel beside oneDNN fp32 (AMD, AVX2): 12 (0.95x at 12, 1.08x at 16).
+        - qgemm beside oneDNN fp32 (same host): 64 (0.8x of oneDNN's time at 64)."""
+        if self.qgemm:
+            return 64 if dtype == torch.float32 else 32
+        if self.onednn:
+            return 12
+        return {torch.bfloat16: 32, torch.float32: 16}.get(dtype, -1)
+
+
+PLAIN = Kernels()  # torch's own matmuls
 
 
 class Dense:
     """`small(x)` (subclasses) runs batches up to `small_batch` rows from a
-    narrower copy of the weight, in bf16: the 4-bit kernel is fast with bf16
-    activations only (fp32: 40x slower, measured)."""
+    narrower copy of the weight."""
 
     small_batch = -1  # no narrower copy: every batch is dense
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 onednn: bool = False):
-        """`weight` as stored, [out, in]. `onednn`: oneDNN's layout (CPU only);
-        otherwise kept transposed so a projection is `x @ w`."""
+                 kernels: Kernels = PLAIN):
+        """`weight` as stored, [out, in]: in oneDNN's layout, or kept transposed
+        so a projection is `x @ w`."""
         self.bias = None if bias is None else bias.to(dtype)
         self.onednn_weight = self.weight_t = None
-        if onednn:
+        if kernels.onednn:
             self.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(
                 weight.to(dtype).contiguous(), 64)  # the row count it packs for: a hint only
         else:
@@ -43,7 +62,7 @@ class Dense:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.small_batch:
-            out = self.small(x.to(torch.bfloat16)).to(x.dtype)
+            out = self.small(x).to(x.dtype)
             return out if self.bias is None else out + self.bias
         if self.onednn_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias,
@@ -57,26 +76,39 @@ class Dense:
 
 
 class Int4(Dense):
+    """torch's 4-bit kernel is fast with bf16 activations only (fp32: 40x
+    slower, measured); qgemm takes fp32."""
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 levels: torch.Tensor, scales_zeros: torch.Tensor, onednn: bool = False):
-        super().__init__(weight, bias, dtype, onednn)
-        self.small_batch = SMALL_BATCH_ONEDNN if onednn else SMALL_BATCH.get(dtype, -1)
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(levels, 2)
-        self.scales_zeros = scales_zeros.to(torch.bfloat16)
+                 levels: torch.Tensor, scales_zeros: torch.Tensor,
+                 kernels: Kernels = PLAIN):
+        super().__init__(weight, bias, dtype, kernels)
+        self.small_batch = kernels.small_batch(dtype)
+        self.qgemm = qgemm.pack_q4(levels, scales_zeros) if kernels.qgemm else None
+        if self.qgemm is None:
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(levels, 2)
+            self.scales_zeros = scales_zeros.to(torch.bfloat16)
 
     def small(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+        if self.qgemm is not None:
+            return qgemm.matmul(x, self.qgemm)
+        return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP,
+                                                 self.scales_zeros)
 
 
 class Int8(Dense):
-    """8-bit levels in groups of 32 with a scale each (GGUF's Q8_0), split into
-    high and low nibbles so the 4-bit kernel runs them: w = scale * (16 * hi +
-    lo - 128) with hi, lo in [0, 15] is exact, and reads half of bf16's bytes."""
+    """8-bit levels in groups of 32 with a scale each (GGUF's Q8_0). qgemm runs
+    them as they are; for torch's 4-bit kernel they are split into high and low
+    nibbles: w = scale * (16 * hi + lo - 128) with hi, lo in [0, 15] is exact,
+    and reads half of bf16's bytes."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 levels: torch.Tensor, scale: torch.Tensor, onednn: bool = False):
-        super().__init__(weight, bias, dtype, onednn)
-        self.small_batch = SMALL_BATCH_ONEDNN if onednn else SMALL_BATCH.get(dtype, -1)
+                 levels: torch.Tensor, scale: torch.Tensor, kernels: Kernels = PLAIN):
+        super().__init__(weight, bias, dtype, kernels)
+        self.small_batch = kernels.small_batch(dtype)
+        self.qgemm = qgemm.pack_q8(levels, scale) if kernels.qgemm else None
+        if self.qgemm is not None:
+            return
         unsigned = levels + 128
         self.high = torch._convert_weight_to_int4pack_for_cpu(unsigned >> 4, 2)
         self.low = torch._convert_weight_to_int4pack_for_cpu(unsigned & 15, 2)
@@ -87,6 +119,9 @@ class Int8(Dense):
             torch.bfloat16)
 
     def small(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qgemm is not None:
+            return qgemm.matmul(x, self.qgemm)
+        x = x.to(torch.bfloat16)
         return (torch._weight_int4pack_mm_for_cpu(x, self.high, GROUP, self.high_sz)
                 + torch._weight_int4pack_mm_for_cpu(x, self.low, GROUP, self.low_sz))
 
@@ -121,20 +156,21 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, flo
 
 
 def can_int4(weight: torch.Tensor) -> bool:
+    """Shapes both 4-bit kernels take."""
     return weight.dim() == 2 and weight.shape[1] % GROUP == 0 and weight.shape[0] % 16 == 0
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                mode: str, onednn: bool = False) -> Dense:
+                mode: str, kernels: Kernels = PLAIN) -> Dense:
     """mode "lossless": 4 or 8 bits for small batches where the weight is exactly
     that already (a Q4_1 or Q8_0 GGUF); "int4": 4 bits whatever it loses;
-    "none": dense. `onednn`: dense matmuls through oneDNN."""
+    "none": dense."""
     if mode == "none" or not can_int4(weight):
-        return Dense(weight, bias, dtype, onednn)
+        return Dense(weight, bias, dtype, kernels)
     levels, scales_zeros, error = quantize_int4(weight)
     if mode == "int4" or error <= LOSSLESS:
-        return Int4(weight, bias, dtype, levels, scales_zeros, onednn)
+        return Int4(weight, bias, dtype, levels, scales_zeros, kernels)
     levels, scale, error = quantize_int8(weight)
     if error <= LOSSLESS:
-        return Int8(weight, bias, dtype, levels, scale, onednn)
-    return Dense(weight, bias, dtype, onednn)
+        return Int8(weight, bias, dtype, levels, scale, kernels)
+    return Dense(weight, bias, dtype, kernels)

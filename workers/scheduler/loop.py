@@ -259,7 +259,8 @@ class Scheduler:
         engine = self.engine
         return {"model": self.config.model, "dtype": str(engine.dtype).removeprefix("torch."),
                 "quantization": engine.quantization,
-                "matmul": "onednn" if engine.onednn else "blas",
+                "dense_matmul": "onednn" if engine.kernels.onednn else "torch",
+                "4bit_matmul": "qgemm" if engine.kernels.qgemm else "torch",
                 "num_expired": self.num_expired} | asdict(
             engine.stats())
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from workers.scheduler.linear import Dense, make_linear
+from workers.scheduler.linear import PLAIN, Dense, Kernels, make_linear
 
 
 @dataclass(frozen=True)
@@ -76,11 +76,12 @@ class Layer:
 
 
 class LlamaModel:
-    """`quantization` and `onednn` are make_linear's for every projection."""
+    """`quantization` and `kernels` are make_linear's for every projection."""
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, quantization: str = "none", onednn: bool = False):
-        self.spec, self.dtype, self.quantization, self.onednn = spec, dtype, quantization, onednn
+                 dtype: torch.dtype, quantization: str = "none", kernels: Kernels = PLAIN):
+        self.spec, self.dtype, self.quantization = spec, dtype, quantization
+        self.kernels = kernels
 
         def get(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
@@ -88,7 +89,7 @@ class LlamaModel:
         self.embed = get("model.embed_tokens.weight")
         head = "model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight"
         self.lm_head = make_linear(weights[head].to(device), None, dtype, quantization,
-                                   onednn)
+                                   kernels)
         self.norm = get("model.norm.weight")
         self.layers = [self._layer(get, weights, f"model.layers.{i}.", device)
                        for i in range(spec.num_layers)]
@@ -98,7 +99,7 @@ class LlamaModel:
         def linear(names: list[str], bias: bool = False) -> Dense:
             weight = torch.cat([weights[n + ".weight"] for n in names]).to(device)
             b = torch.cat([weights[n + ".bias"] for n in names]).to(device) if bias else None
-            return make_linear(weight, b, self.dtype, self.quantization, self.onednn)
+            return make_linear(weight, b, self.dtype, self.quantization, self.kernels)
 
         attn = p + "self_attn."
         return Layer(
@@ -113,12 +114,12 @@ class LlamaModel:
 
     @classmethod
     def load(cls, model_dir: Path, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
-             quantization: str = "none", onednn: bool = False) -> LlamaModel:
+             quantization: str = "none", kernels: Kernels = PLAIN) -> LlamaModel:
         weights: dict[str, torch.Tensor] = {}
         for file in sorted(model_dir.glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as f:
                 weights.update({name: f.get_tensor(name) for name in f.keys()})
-        return cls(spec, weights, device, dtype, quantization, onednn)
+        return cls(spec, weights, device, dtype, quantization, kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logit_rows: torch.Tensor,
                 attend) -> torch.Tensor:

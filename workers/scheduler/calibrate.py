@@ -1,0 +1,84 @@
+# The kernels a CPU host runs, chosen by timing the candidates at startup:
+# CPUs here differ too much to choose by name (bf16 matmul 2x fp32 on one host
+# with avx512_bf16, 1.7x slower on another; MKL's sgemm 1.3-1.6x behind oneDNN's
+# on an AMD host). Each timing takes well under a second.
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from workers.scheduler import qgemm
+from workers.scheduler.linear import Kernels, quantize_int4
+
+
+def cpu_flags() -> set[str]:
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
+def cpu_has_bf16() -> bool:
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def best_times(candidates: list[Callable[[], object]], reps: int = 24) -> list[float]:
+    """Each candidate's best time; they alternate, so drift in the clock hits all."""
+    best = [float("inf")] * len(candidates)
+    with torch.inference_mode():
+        for rep in range(reps):
+            for i, fn in enumerate(candidates):
+                start = time.perf_counter()
+                fn()
+                if rep >= 3:
+                    best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
+def faster_cpu_dtype() -> torch.dtype:
+    """bf16 where its matmul is clearly (10%) faster than fp32's."""
+    x, w = torch.randn(64, 576), torch.randn(576, 1536)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    bf16, fp32 = best_times([lambda: xb @ wb, lambda: x @ w], reps=7)
+    return torch.bfloat16 if bf16 < 0.9 * fp32 else torch.float32
+
+
+def onednn_is_faster(in_dim: int, out_dim: int) -> bool:
+    """oneDNN on a packed weight against torch's own fp32 matmul (MKL's sgemm)
+    on one of the model's projections at 32 rows."""
+    x, weight = torch.randn(32, in_dim), torch.randn(out_dim, in_dim)
+    weight_t = weight.t().contiguous()
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+    onednn, blas = best_times([
+        lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+        lambda: x @ weight_t])
+    return onednn < 0.9 * blas
+
+
+def qgemm_is_faster(in_dim: int, out_dim: int) -> bool:
+    """qgemm against torch's 4-bit kernel on one of the model's shapes at 8 rows."""
+    if qgemm.load() is None:
+        return False
+    levels, scales_zeros, _ = quantize_int4(torch.randn(out_dim, in_dim))
+    ours = qgemm.pack_q4(levels, scales_zeros)
+    packed = torch._convert_weight_to_int4pack_for_cpu(levels, 2)
+    scales_zeros = scales_zeros.bfloat16()
+    x = torch.randn(8, in_dim)
+    mine, theirs = best_times([
+        lambda: qgemm.matmul(x, ours),
+        lambda: torch._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, 32, scales_zeros)])
+    return mine < 0.9 * theirs
+
+
+def choose_kernels(device: torch.device, dtype: torch.dtype, quantization: str,
+                   spec) -> Kernels:
+    if device.type != "cpu":
+        return Kernels()
+    shape = (spec.hidden_size, 2 * spec.intermediate_size)  # gate_up: the largest per layer
+    onednn = (dtype == torch.float32 and torch.backends.mkldnn.is_available()
+              and onednn_is_faster(*shape))
+    return Kernels(onednn=onednn, qgemm=quantization != "none" and qgemm_is_faster(*shape))
