@@ -31,9 +31,10 @@ class Kernels:
         - torch's kernel beside MKL fp32, on a host where fp32 is 1.7x bf16: 16
           rows (4-bit 33/60/109 ms at 4/8/16 rows, dense 69/99/120); beside bf16, 32.
         - torch's kernel beside oneDNN fp32 (AMD, AVX2): 12 (0.95x at 12, 1.08x at 16).
-        - qgemm beside oneDNN fp32 (same host): 64 (0.8x of oneDNN's time at 64)."""
+        - qgemm beside oneDNN fp32 (same host): 40 (its step time 0.72x oneDNN's
+          at 8 and 16 rows, 0.85x at 24, 0.91x at 32, 1.01x at 48, 1.09x at 64)."""
         if self.qgemm:
-            return 64 if dtype == torch.float32 else 32
+            return 40 if dtype == torch.float32 else 32
         if self.onednn:
             return 12
         return {torch.bfloat16: 32, torch.float32: 16}.get(dtype, -1)
