@@ -86,21 +86,11 @@ def bench_options(base_url: str, level: int, num_requests: int) -> BenchOptions:
                         temperature=0.0, model=DEFAULT_MODEL, seed=SEED)
 
 
-def measure_ours() -> dict[int, dict]:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    proc = start_server(port, Path(tempfile.gettempdir()) / "serving-bench-server.log")
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        run_bench(bench_options(base_url, 4, 4))  # warm-up
-        summaries = {}
-        for level, num_requests in LEVELS.items():
-            summaries[level] = run_bench(bench_options(base_url, level, num_requests))
-            print(f"ours  level {level:>2}: {summaries[level]['output_throughput']:.1f} tok/s, "
-                  f"{summaries[level]['failed']} failed", flush=True)
-        return summaries
-    finally:
-        stop_server(proc)
+def measure_ours(base_url: str, level: int) -> dict:
+    summary = run_bench(bench_options(base_url, level, LEVELS[level]))
+    print(f"ours  level {level:>2}: {summary['output_throughput']:.1f} tok/s, "
+          f"{summary['failed']} failed", flush=True)
+    return summary
 
 
 def load_transformers(dtype: str):
@@ -148,30 +138,26 @@ def hf_dtypes() -> tuple[str, ...]:
     return HF_DTYPES if cpu_has_bf16() else ("float32",)
 
 
-def measure_transformers() -> dict[int, dict]:
-    """Each level at transformers' faster dtype."""
-    runs = [measure_transformers_in(dtype) for dtype in hf_dtypes()]
-    return {level: max((run[level] for run in runs), key=lambda r: r["output_throughput"])
-            for level in LEVELS}
+def measure_transformers(models: dict[str, tuple], level: int) -> dict:
+    """The level at transformers' faster dtype."""
+    runs = [measure_transformers_in(dtype, *models[dtype], level) for dtype in models]
+    return max(runs, key=lambda run: run["output_throughput"])
 
 
-def measure_transformers_in(dtype: str) -> dict[int, dict]:
-    tokenizer, model = load_transformers(dtype)
-    generate_batch(tokenizer, model, make_prompts(2, PROMPT_WORDS, SEED + 99))  # warm-up
-    stats = {}
-    for level, num_requests in LEVELS.items():
-        prompts = make_prompts(num_requests, PROMPT_WORDS, SEED)  # what run_bench sent
-        elapsed_s, new_tokens, gaps = 0.0, 0, []
-        for start in range(0, num_requests, level):
-            seconds, tokens, batch_gaps = generate_batch(tokenizer, model,
-                                                         prompts[start:start + level])
-            elapsed_s, new_tokens = elapsed_s + seconds, new_tokens + tokens
-            gaps += batch_gaps
-        stats[level] = {"output_throughput": new_tokens / elapsed_s, "elapsed_s": elapsed_s,
-                        "output_tokens": new_tokens, "dtype": dtype,
-                        "per_token_ms_p50": 1000 * sorted(gaps)[len(gaps) // 2]}
-        print(f"transformers {dtype} batch {level:>2}: "
-              f"{stats[level]['output_throughput']:.1f} tok/s", flush=True)
+def measure_transformers_in(dtype: str, tokenizer, model, level: int) -> dict:
+    num_requests = LEVELS[level]
+    prompts = make_prompts(num_requests, PROMPT_WORDS, SEED)  # what run_bench sent
+    elapsed_s, new_tokens, gaps = 0.0, 0, []
+    for start in range(0, num_requests, level):
+        seconds, tokens, batch_gaps = generate_batch(tokenizer, model,
+                                                     prompts[start:start + level])
+        elapsed_s, new_tokens = elapsed_s + seconds, new_tokens + tokens
+        gaps += batch_gaps
+    stats = {"output_throughput": new_tokens / elapsed_s, "elapsed_s": elapsed_s,
+             "output_tokens": new_tokens, "dtype": dtype,
+             "per_token_ms_p50": 1000 * sorted(gaps)[len(gaps) // 2]}
+    print(f"transformers {dtype} batch {level:>2}: {stats['output_throughput']:.1f} tok/s",
+          flush=True)
     return stats
 
 
@@ -249,7 +235,8 @@ def markdown(record: dict) -> str:
               f"{' and '.join(settings['hf_dtypes'])} (the faster at each level); "
               f"{settings['prompt_words']}-word prompts, "
               f"{settings['max_tokens']} output tokens, greedy, ignore_eos; ours at concurrency "
-              f"= level, transformers as static batches of that size, left-padded.", ""]
+              f"= level, transformers as static batches of that size, left-padded; level by "
+              f"level, ours then theirs.", ""]
     return "\n".join(lines)
 
 
@@ -279,8 +266,25 @@ def plot(record: dict, path: Path) -> None:
 
 
 def main() -> None:
-    ours = measure_ours()  # first, and alone: the server's processes are gone before torch runs
-    theirs = measure_transformers()
+    """Level by level, ours then transformers, so that a noisy spell on this
+    shared machine lands on both sides of a ratio more often than on one. The
+    server idles (blocked on Redis) while transformers runs."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    models = {}
+    for dtype in hf_dtypes():
+        models[dtype] = load_transformers(dtype)
+        generate_batch(*models[dtype], make_prompts(2, PROMPT_WORDS, SEED + 99))  # warm-up
+    port = free_port()
+    proc = start_server(port, Path(tempfile.gettempdir()) / "serving-bench-server.log")
+    base_url = f"http://127.0.0.1:{port}"
+    ours, theirs = {}, {}
+    try:
+        run_bench(bench_options(base_url, 4, 4))  # warm-up
+        for level in LEVELS:
+            ours[level] = measure_ours(base_url, level)
+            theirs[level] = measure_transformers(models, level)
+    finally:
+        stop_server(proc)
     record = build_record(ours, theirs)
     (RESULTS / "serving.json").write_text(json.dumps(record, indent=2))
     (RESULTS / "serving.md").write_text(markdown(record))
