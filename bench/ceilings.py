@@ -1,8 +1,10 @@
 """What this machine's matmuls allow for SmolLM2-135M, with nothing else running:
 peak GFLOP/s per dtype, and the time of one step's projections (30 layers of
-qkv, o, gate_up, down, plus the lm_head) at 1, 16 and 64 rows in fp32, bf16 and
-4-bit, weights hot in cache. Any engine step is slower than its row here.
-Run: .venv/bin/python bench/ceilings.py [--threads N]"""
+qkv, o, gate_up, down, plus the lm_head) at 1, 16 and 64 rows, weights hot in
+cache: fp32 through MKL and through oneDNN, bf16 (only on a CPU with a bf16
+matmul: elsewhere it is emulated, ~150x slower), 4-bit through torch's kernel
+and through ours (qgemm, where it builds). Any engine step is slower than its
+row here. Run: .venv/bin/python bench/ceilings.py [--threads N]"""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import time
 
 import torch
 
-from workers.scheduler.linear import Int4, Int8, quantize_int4, quantize_int8
+from workers.scheduler import qgemm
+from workers.scheduler.calibrate import cpu_has_bf16
+from workers.scheduler.linear import Dense, Int4, Int8, Kernels, quantize_int4, quantize_int8
 
 HIDDEN, INTER, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152
 SHAPES = [(HIDDEN + 2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
@@ -40,15 +44,19 @@ def step_ms(rows: int, kind: str) -> float:
     for (out_dim, in_dim), count in [*((s, LAYERS) for s in SHAPES), ((VOCAB, HIDDEN), 1)]:
         weight = torch.randn(out_dim, in_dim, generator=generator) * 0.02
         x = torch.randn(rows, in_dim, generator=generator)
-        if kind == "4-bit":
-            if out_dim == VOCAB:  # the lm_head is 8-bit (Q8_0), run as two 4-bit halves
+        if kind.startswith("4-bit"):
+            kernels = Kernels(qgemm=kind == "4-bit qgemm")
+            if out_dim == VOCAB:  # the lm_head is 8-bit (Q8_0)
                 levels, scale, _ = quantize_int8(weight)
-                layer = Int8(weight, None, torch.float32, levels, scale)
+                layer = Int8(weight, None, torch.float32, levels, scale, kernels)
             else:
                 levels, scales_zeros, _ = quantize_int4(weight)
-                layer = Int4(weight, None, torch.float32, levels, scales_zeros)
+                layer = Int4(weight, None, torch.float32, levels, scales_zeros, kernels)
             layer.small_batch = rows
             total += count * best_ms(lambda layer=layer, x=x: layer(x))
+        elif kind == "fp32 onednn":
+            dense = Dense(weight, None, torch.float32, Kernels(onednn=True))
+            total += count * best_ms(lambda dense=dense, x=x: dense(x))
         else:
             dtype = torch.float32 if kind == "fp32" else torch.bfloat16
             w, xd = weight.t().contiguous().to(dtype), x.to(dtype)
@@ -63,14 +71,16 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"threads {torch.get_num_threads()}; {PARAMS / 1e6:.1f}M projection parameters")
-    for dtype in (torch.float32, torch.bfloat16):
+    bf16 = cpu_has_bf16()
+    for dtype in (torch.float32, torch.bfloat16) if bf16 else (torch.float32,):
         peak = peak_gflops(dtype)
         print(f"peak {str(dtype)[6:]:>8}: {peak:6.0f} GFLOP/s -> 64 rows of projections "
               f"in >= {64 * 2 * PARAMS / peak / 1e6:.0f} ms")
+    kinds = ["fp32", "fp32 onednn", *(["bf16"] if bf16 else []), "4-bit torch",
+             *(["4-bit qgemm"] if qgemm.load() is not None else [])]
     with torch.inference_mode():
         for rows in (1, 16, 64):
-            line = ", ".join(f"{kind} {step_ms(rows, kind):6.1f} ms"
-                             for kind in ("fp32", "bf16", "4-bit"))
+            line = ", ".join(f"{kind} {step_ms(rows, kind):6.1f} ms" for kind in kinds)
             print(f"{rows:3d} rows: {line}")
 
 
