@@ -4,6 +4,10 @@ checkpoint stays dense unless asked, and big batches take the dense matmul."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -146,3 +150,25 @@ def test_quantization_modes_resolve_by_device_and_dtype():
     with pytest.raises(ConfigError):
         resolve_quantization("int3", cpu, "auto")
     assert resolve_dtype("auto", cpu) in (torch.bfloat16, torch.float32)
+
+
+def test_qgemm_without_a_compiler_leaves_torchs_kernel(tmp_path):
+    """A host with no C compiler (or a failing one) serves on torch's kernel."""
+    script = ("from workers.scheduler import qgemm, calibrate; "
+              "print(qgemm.load() is None, calibrate.qgemm_is_faster(576, 1536))")
+    env = {**os.environ, "CC": "/bin/false", "XDG_CACHE_HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120, check=True)
+    assert done.stdout.split() == ["True", "False"]
+    assert not list(tmp_path.rglob("*.so"))  # no half-written library left behind
+
+
+@needs_qgemm
+def test_qgemm_builds_once_per_source_into_the_cache(tmp_path):
+    script = "from workers.scheduler import qgemm; print(qgemm.build())"
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    paths = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=120, check=True).stdout.strip()
+             for _ in range(2)]
+    assert paths[0] == paths[1] and paths[0].startswith(str(tmp_path))
+    assert len(list(tmp_path.rglob("*.so"))) == 1
