@@ -143,6 +143,7 @@ def test_quantization_modes_resolve_by_device_and_dtype():
     assert resolve_quantization("auto", cpu, "auto") == "lossless"
     assert resolve_quantization("auto", cpu, "bfloat16") == "lossless"
     assert resolve_quantization("auto", cpu, "float32") == "none"  # fp32 numerics throughout
+    assert resolve_quantization("auto", cpu, "float32", fp32_kernel=True) == "lossless"
     assert resolve_quantization("int4", cpu, "float32") == "int4"
     assert resolve_quantization("auto", cuda, "auto") == "none"
     with pytest.raises(ConfigError):

@@ -74,11 +74,12 @@ def qgemm_is_faster(in_dim: int, out_dim: int) -> bool:
     return mine < 0.9 * theirs
 
 
-def choose_kernels(device: torch.device, dtype: torch.dtype, quantization: str,
-                   spec) -> Kernels:
+def choose_kernels(device: torch.device, dtype: torch.dtype, spec,
+                   quantized: bool = True) -> Kernels:
+    """`quantized`: whether a 4-bit path may run at all (else qgemm is not built)."""
     if device.type != "cpu":
         return Kernels()
     shape = (spec.hidden_size, 2 * spec.intermediate_size)  # gate_up: the largest per layer
     onednn = (dtype == torch.float32 and torch.backends.mkldnn.is_available()
               and onednn_is_faster(*shape))
-    return Kernels(onednn=onednn, qgemm=quantization != "none" and qgemm_is_faster(*shape))
+    return Kernels(onednn=onednn, qgemm=quantized and qgemm_is_faster(*shape))

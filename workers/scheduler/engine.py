@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -72,9 +72,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtypes[name]
 
 
-def resolve_quantization(name: str, device: torch.device, dtype_name: str) -> str:
-    """make_linear's mode. The 4-bit kernel is the CPU's and takes bf16
-    activations, so an explicit float32 (fp32 numerics throughout) turns it off."""
+def resolve_quantization(name: str, device: torch.device, dtype_name: str,
+                         fp32_kernel: bool = False) -> str:
+    """make_linear's mode. The 4-bit kernels are the CPU's. An explicit float32
+    promises fp32 numerics throughout, which only qgemm keeps (`fp32_kernel`:
+    fp32 activations on the checkpoint's exact weights); torch's takes bf16."""
     if name not in ("auto", "int4", "none"):
         raise ConfigError(f"unknown quantization {name!r}: one of auto, int4, none")
     if name == "none":
@@ -84,7 +86,8 @@ def resolve_quantization(name: str, device: torch.device, dtype_name: str) -> st
             raise ConfigError("quantization int4 runs on the CPU only")
         return "none"
     if name == "auto":
-        return "lossless" if dtype_name in ("auto", "bfloat16") else "none"
+        exact = dtype_name in ("auto", "bfloat16") or fp32_kernel
+        return "lossless" if exact else "none"
     return name
 
 
@@ -96,8 +99,12 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         spec = read_spec(Path(model_path))
-        self.quantization = resolve_quantization(config.quantization, self.device, config.dtype)
-        self.kernels = choose_kernels(self.device, self.dtype, self.quantization, spec)
+        self.kernels = choose_kernels(self.device, self.dtype, spec,
+                                      config.quantization != "none")
+        self.quantization = resolve_quantization(config.quantization, self.device, config.dtype,
+                                                 self.kernels.qgemm)
+        if self.quantization == "none":
+            self.kernels = replace(self.kernels, qgemm=False)
         self.model = LlamaModel.load(Path(model_path), spec, self.device, self.dtype,
                                      self.quantization, self.kernels)
         backend = choose_backend(config.attention_backend, self.device)
