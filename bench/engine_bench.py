@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pipeline.config import SchedulerConfig
 from pipeline.messages import Sampling
 from pipeline.models import resolve_model
+from workers.scheduler.calibrate import cpu_has_bf16
 from workers.scheduler.engine import Engine, EngineRequest
 
 WORDS = ("river mountain quiet engine paper window garden silver market winter story "
@@ -61,9 +62,12 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--num-new", type=int, default=64)
     parser.add_argument("--dtype", default="auto", help="the engine's dtype")
-    parser.add_argument("--hf-dtype", default="bfloat16")
+    parser.add_argument("--hf-dtype", default="auto",
+                        help="auto: bfloat16 on a CPU with a bf16 matmul, else float32")
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
+    if args.hf_dtype == "auto":
+        args.hf_dtype = "bfloat16" if cpu_has_bf16() else "float32"
     path = resolve_model("SmolLM2-135M-Instruct").path
     tokenizer = AutoTokenizer.from_pretrained(path)
     engine = Engine(path, SchedulerConfig(dtype=args.dtype, max_running_requests=64))
