@@ -47,7 +47,8 @@ static inline __attribute__((always_inline)) void tile(
             #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
                 __m128i bytes = (j & 1) ? _mm_srli_si128(half[j >> 1], 8) : half[j >> 1];
-                __m256i ints = BITS == 4 ? _mm256_cvtepu8_epi32(bytes) : _mm256_cvtepi8_epi32(bytes);
+                __m256i ints = BITS == 4 ? _mm256_cvtepu8_epi32(bytes)
+                                         : _mm256_cvtepi8_epi32(bytes);
                 __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), s, z);
                 #pragma GCC unroll 8
                 for (int r = 0; r < R; r++) {
@@ -68,22 +69,24 @@ static inline __attribute__((always_inline)) void tile(
         }
 }
 
-#define GEMM(NAME, BITS)                                                                   \
-void NAME(const float *x, int M, int K, const uint8_t *q, const float *scale,              \
-          const float *low, float *y, int N) {                                             \
-    _Pragma("omp parallel for schedule(static)")                                          \
-    for (int n = 0; n < N; n += 4) {                                                       \
-        int m = 0;                                                                         \
-        for (; m + 8 <= M; m += 8)                                                         \
-            for (int b = 0; b < 4; b++) tile(x, K, q, scale, low, y, N, n + b, m, 1, 8, 1, BITS); \
-        for (; m + 4 <= M; m += 4)                                                         \
-            for (int b = 0; b < 4; b += 2) tile(x, K, q, scale, low, y, N, n + b, m, 2, 4, 1, BITS); \
-        switch (M - m) {                                                                   \
-        case 3: for (int b = 0; b < 4; b += 2) tile(x, K, q, scale, low, y, N, n + b, m, 2, 3, 1, BITS); break; \
-        case 2: for (int b = 0; b < 4; b += 2) tile(x, K, q, scale, low, y, N, n + b, m, 2, 2, 2, BITS); break; \
-        case 1: tile(x, K, q, scale, low, y, N, n, m, 4, 1, 2, BITS); break;               \
-        }                                                                                  \
-    }                                                                                      \
+/* the tile of NB outputs from n and R rows from m */
+#define T(n, NB, R, A, BITS) tile(x, K, q, scale, low, y, N, n, m, NB, R, A, BITS)
+#define GEMM(NAME, BITS)                                                                \
+void NAME(const float *x, int M, int K, const uint8_t *q, const float *scale,           \
+          const float *low, float *y, int N) {                                          \
+    _Pragma("omp parallel for schedule(static)")                                        \
+    for (int n = 0; n < N; n += 4) {                                                    \
+        int m = 0;                                                                      \
+        for (; m + 8 <= M; m += 8)                                                      \
+            for (int b = 0; b < 4; b++) T(n + b, 1, 8, 1, BITS);                        \
+        for (; m + 4 <= M; m += 4)                                                      \
+            for (int b = 0; b < 4; b += 2) T(n + b, 2, 4, 1, BITS);                     \
+        switch (M - m) {                                                                \
+        case 3: for (int b = 0; b < 4; b += 2) T(n + b, 2, 3, 1, BITS); break;          \
+        case 2: for (int b = 0; b < 4; b += 2) T(n + b, 2, 2, 2, BITS); break;          \
+        case 1: T(n, 4, 1, 2, BITS); break;                                             \
+        }                                                                               \
+    }                                                                                   \
 }
 
 /* N a multiple of 4, K of 32; low is unused by q8_gemm. Threads: torch's OpenMP pool. */
