@@ -176,11 +176,12 @@ def targets(levels: list[dict]) -> list[dict]:
 
 def cpu_model() -> str:
     """The model name and the vector extensions that decide the matmuls here."""
+    from workers.scheduler.calibrate import cpu_flags
+
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
                  if line.startswith("model name")), platform.processor())
-    flags = sorted({f for f in info.split() if f in ("avx2", "avx512f", "avx512_bf16",
-                                                     "amx_bf16")})
+    flags = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
     return f"{name} ({', '.join(flags) or 'no AVX2'})"
 
 

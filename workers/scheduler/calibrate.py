@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from workers.scheduler import qgemm
-from workers.scheduler.linear import Kernels, quantize_int4
+from workers.scheduler.linear import Dense, Int4, Kernels, quantize_int4
 
 
 def cpu_flags() -> set[str]:
@@ -50,28 +50,23 @@ def faster_cpu_dtype() -> torch.dtype:
 def onednn_is_faster(in_dim: int, out_dim: int) -> bool:
     """oneDNN on a packed weight against torch's own fp32 matmul (MKL's sgemm)
     on one of the model's projections at 32 rows."""
-    x, weight = torch.randn(32, in_dim), torch.randn(out_dim, in_dim)
-    weight_t = weight.t().contiguous()
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-    onednn, blas = best_times([
-        lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-        lambda: x @ weight_t])
-    return onednn < 0.9 * blas
+    weight, x = torch.randn(out_dim, in_dim), torch.randn(32, in_dim)
+    onednn, blas = (Dense(weight, None, torch.float32, Kernels(onednn=flag))
+                    for flag in (True, False))
+    onednn_s, blas_s = best_times([lambda: onednn(x), lambda: blas(x)])
+    return onednn_s < 0.9 * blas_s
 
 
 def qgemm_is_faster(in_dim: int, out_dim: int) -> bool:
     """qgemm against torch's 4-bit kernel on one of the model's shapes at 8 rows."""
     if qgemm.load() is None:
         return False
-    levels, scales_zeros, _ = quantize_int4(torch.randn(out_dim, in_dim))
-    ours = qgemm.pack_q4(levels, scales_zeros)
-    packed = torch._convert_weight_to_int4pack_for_cpu(levels, 2)
-    scales_zeros = scales_zeros.bfloat16()
-    x = torch.randn(8, in_dim)
-    mine, theirs = best_times([
-        lambda: qgemm.matmul(x, ours),
-        lambda: torch._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, 32, scales_zeros)])
-    return mine < 0.9 * theirs
+    weight, x = torch.randn(out_dim, in_dim), torch.randn(8, in_dim)
+    levels, scales_zeros, _ = quantize_int4(weight)
+    ours, theirs = (Int4(weight, None, torch.float32, levels, scales_zeros, Kernels(qgemm=flag))
+                    for flag in (True, False))
+    ours_s, theirs_s = best_times([lambda: ours.small(x), lambda: theirs.small(x)])
+    return ours_s < 0.9 * theirs_s
 
 
 def choose_kernels(device: torch.device, dtype: torch.dtype, spec,
