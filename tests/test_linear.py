@@ -91,16 +91,20 @@ def test_dense_checkpoints_stay_dense_unless_int4_is_asked():
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
-def test_onednn_dense_matches_the_plain_matmul(checkpoint):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_dense_matches_the_plain_matmul(checkpoint, dtype):
     generator = torch.Generator().manual_seed(0)
     weight = checkpoint["model.layers.0.self_attn.q_proj.weight"]
     bias = torch.randn(weight.shape[0], generator=generator)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16 outputs: 8 bits of mantissa
     for b in (None, bias):
-        plain = Dense(weight, b, torch.float32)
-        onednn = Dense(weight, b, torch.float32, Kernels(onednn=True))
+        plain = Dense(weight, b, dtype)
+        onednn = Dense(weight, b, dtype, Kernels(onednn=True))
         for rows in (1, 70):
             x = torch.randn(rows, 2 * weight.shape[1], generator=generator)[:, ::2]  # strided
-            assert relative_error(onednn(x), plain(x)) < 1e-5
+            out = onednn(x.to(dtype))
+            assert out.dtype == dtype
+            assert relative_error(out.float(), plain(x.to(dtype)).float()) < tolerance
     quantized = make_linear(weight, None, torch.float32, "lossless", Kernels(onednn=True))
     assert type(quantized) is Int4 and quantized.small_batch < PLAIN.small_batch(torch.float32)
 

@@ -89,9 +89,10 @@ def test_fp32_logits_match_transformers_llama(model_files, hf_smollm, prompts, n
         assert (mine - theirs).abs().max().item() < 5e-3
 
 
-def test_bf16_logits_stay_close_to_transformers_fp32(model_files, hf_smollm, prompts):
+@pytest.mark.parametrize("kernels", [PLAIN, Kernels(onednn=True)], ids=["torch", "onednn"])
+def test_bf16_logits_stay_close_to_transformers_fp32(model_files, hf_smollm, prompts, kernels):
     chats = prompts[:len(TEXTS)]
-    ours = all_logits(load(model_files.path, torch.bfloat16), chats)
+    ours = all_logits(load(model_files.path, torch.bfloat16, kernels), chats)
     for mine, theirs in zip(ours, reference_logits(hf_smollm, chats), strict=True):
         assert (mine - theirs).abs().max().item() < 2.5
         log_p, log_q = torch.log_softmax(theirs, -1), torch.log_softmax(mine, -1)

@@ -1,7 +1,8 @@
 # The kernels a CPU host runs, chosen by timing the candidates at startup:
 # CPUs here differ too much to choose by name (bf16 matmul 2x fp32 on one host
 # with avx512_bf16, 1.7x slower on another; MKL's sgemm 1.3-1.6x behind oneDNN's
-# on an AMD host). Each timing takes well under a second.
+# on an AMD host, and torch's bf16 matmul 1.5x behind oneDNN's on a packed weight
+# on an AMD Zen 5). Each timing takes well under a second.
 
 from __future__ import annotations
 
@@ -47,12 +48,11 @@ def faster_cpu_dtype() -> torch.dtype:
     return torch.bfloat16 if bf16 < 0.9 * fp32 else torch.float32
 
 
-def onednn_is_faster(in_dim: int, out_dim: int) -> bool:
-    """oneDNN on a packed weight against torch's own fp32 matmul (MKL's sgemm)
-    on one of the model's projections at 32 rows."""
-    weight, x = torch.randn(out_dim, in_dim), torch.randn(32, in_dim)
-    onednn, blas = (Dense(weight, None, torch.float32, Kernels(onednn=flag))
-                    for flag in (True, False))
+def onednn_is_faster(dtype: torch.dtype, in_dim: int, out_dim: int) -> bool:
+    """oneDNN on a packed weight against torch's own matmul (MKL's sgemm for
+    fp32) on one of the model's projections at 32 rows."""
+    weight, x = torch.randn(out_dim, in_dim), torch.randn(32, in_dim, dtype=dtype)
+    onednn, blas = (Dense(weight, None, dtype, Kernels(onednn=flag)) for flag in (True, False))
     onednn_s, blas_s = best_times([lambda: onednn(x), lambda: blas(x)])
     return onednn_s < 0.9 * blas_s
 
@@ -75,6 +75,5 @@ def choose_kernels(device: torch.device, dtype: torch.dtype, spec,
     if device.type != "cpu":
         return Kernels()
     shape = (spec.hidden_size, 2 * spec.intermediate_size)  # gate_up: the largest per layer
-    onednn = (dtype == torch.float32 and torch.backends.mkldnn.is_available()
-              and onednn_is_faster(*shape))
+    onednn = torch.backends.mkldnn.is_available() and onednn_is_faster(dtype, *shape)
     return Kernels(onednn=onednn, qgemm=quantized and qgemm_is_faster(*shape))

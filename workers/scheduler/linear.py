@@ -21,7 +21,7 @@ LOSSLESS = 1e-3  # of a group's scale: the weight was 4- or 8-bit to begin with
 @dataclass(frozen=True)
 class Kernels:
     """Which matmuls run; the engine times the candidates on the host at hand."""
-    onednn: bool = False  # dense fp32 through oneDNN rather than MKL's sgemm
+    onednn: bool = False  # dense through oneDNN on a packed weight rather than torch's matmul
     qgemm: bool = False  # 4- and 8-bit through qgemm.c rather than torch's kernel
 
     def small_batch(self, dtype: torch.dtype) -> int:
@@ -30,13 +30,15 @@ class Kernels:
         misleads: a step streams every weight from memory).
         - torch's kernel beside MKL fp32, on a host where fp32 is 1.7x bf16: 16
           rows (4-bit 33/60/109 ms at 4/8/16 rows, dense 69/99/120); beside bf16, 32.
-        - torch's kernel beside oneDNN fp32 (AMD, AVX2): 12 (0.95x at 12, 1.08x at 16).
+        - torch's kernel beside oneDNN fp32 (AMD, AVX2): 12 (0.95x at 12, 1.08x at 16);
+          beside oneDNN bf16 (AMD Zen 5, avx512_bf16): 10 (0.63x at 1 row, 0.93x
+          at 8, 1.14x at 12).
         - qgemm beside oneDNN fp32 (same host): 40 (its step time 0.72x oneDNN's
           at 8 and 16 rows, 0.85x at 24, 0.91x at 32, 1.01x at 48, 1.09x at 64)."""
         if self.qgemm:
             return 40 if dtype == torch.float32 else 32
         if self.onednn:
-            return 12
+            return 12 if dtype == torch.float32 else 10
         return {torch.bfloat16: 32, torch.float32: 16}.get(dtype, -1)
 
 
