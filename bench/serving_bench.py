@@ -176,7 +176,7 @@ def targets(levels: list[dict]) -> list[dict]:
 
 def cpu_model() -> str:
     """The model name and the vector extensions that decide the matmuls here."""
-    from workers.scheduler.calibrate import cpu_flags
+    from workers.scheduler.native import cpu_flags
 
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     name = next((line.split(":", 1)[1].strip() for line in info.splitlines()

@@ -158,13 +158,14 @@ def test_quantization_modes_resolve_by_device_and_dtype():
 
 
 def test_qgemm_without_a_compiler_leaves_torchs_kernel(tmp_path):
-    """A host with no C compiler (or a failing one) serves on torch's kernel."""
-    script = ("from workers.scheduler import qgemm, calibrate; "
-              "print(qgemm.load() is None, calibrate.qgemm_is_faster(576, 1536))")
+    """A host with no C compiler (or a failing one) serves on torch's kernels."""
+    script = ("from workers.scheduler import qgemm, calibrate, paged; "
+              "print(qgemm.load() is None, calibrate.qgemm_is_faster(576, 1536), "
+              "paged.load() is None)")
     env = {**os.environ, "CC": "/bin/false", "XDG_CACHE_HOME": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=120, check=True)
-    assert done.stdout.split() == ["True", "False"]
+    assert done.stdout.split() == ["True", "False", "True"]
     assert not list(tmp_path.rglob("*.so"))  # no half-written library left behind
 
 

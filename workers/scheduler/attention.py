@@ -1,6 +1,8 @@
 # Attention over the paged KV cache. The torch backend (CPU, or CUDA without
-# flashinfer) gathers each sequence's KV slots once per step and reuses the
-# gather indices in every layer; `make_backend` picks flashinfer on CUDA.
+# flashinfer) decodes on the CPU with our kernel (paged.py), which reads keys in
+# place through the block tables; elsewhere, and for prefill, it gathers each
+# sequence's KV slots once per step and reuses the gather indices in every
+# layer. `make_backend` picks flashinfer on CUDA.
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from workers.scheduler import paged
 from workers.scheduler.batcher import StepPlan
 
 
@@ -54,17 +57,25 @@ class TorchMeta:
     decode_slots: torch.Tensor | None  # [num_decode, max_len]
     decode_bias: torch.Tensor | None  # [num_decode * kv_heads, group, max_len]: 0 or -inf
     prefills: list[PrefillPart]
+    decode_tables: torch.Tensor | None = None  # in place: int32 [num_decode, blocks]
+    decode_lengths: torch.Tensor | None = None  # int32 [num_decode]
+    block_size: int = 0
 
 
 class TorchAttention:
     """Over an "HND" cache. On CPU keep that cache in fp32: bf16 bmm of these
     small shapes is 2-6x slower than fp32 here (3x3x64 by 64x64: 51 vs 8 us)."""
 
-    def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int,
+                 in_place: bool | None = None):
+        """`in_place`: decode with our kernel; None: wherever it can run."""
         self.cache = cache
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.meta: TorchMeta | None = None
+        can = (cache.dtype == torch.float32 and cache.k[0].device.type == "cpu"
+               and paged.load() is not None)
+        self.in_place = can if in_place is None else in_place and can
 
     def prepare(self, plan: StepPlan, tables: list[list[int]], device: torch.device) -> None:
         """Per-step metadata, computed once and shared by every layer."""
@@ -72,15 +83,27 @@ class TorchAttention:
         # the leading one-token chunks (decodes) attend as one batch
         num_decode = next((i for i, c in enumerate(plan.chunks) if c.num_tokens != 1),
                           len(plan.chunks))
-        decode_slots = decode_bias = None
-        if num_decode:
+        decode_slots = decode_bias = decode_tables = decode_lengths = None
+        if num_decode and self.in_place:
+            decode_tables, decode_lengths = self._decode_tables(plan, tables, num_decode)
+        elif num_decode:
             decode_slots, decode_bias = self._decode_gather(plan, tables, num_decode, device)
         prefills, first = [], num_decode
         for chunk, table in zip(plan.chunks[num_decode:], tables[num_decode:], strict=True):
             prefills.append(self._prefill_part(plan.block_size, chunk.start, chunk.num_tokens,
                                                table, first, device))
             first += chunk.num_tokens
-        self.meta = TorchMeta(slots, num_decode, decode_slots, decode_bias, prefills)
+        self.meta = TorchMeta(slots, num_decode, decode_slots, decode_bias, prefills,
+                              decode_tables, decode_lengths, plan.block_size)
+
+    @staticmethod
+    def _decode_tables(plan: StepPlan, tables: list[list[int]],
+                       num_decode: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = [c.start + 1 for c in plan.chunks[:num_decode]]
+        width = -(-max(lengths) // plan.block_size)
+        padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables[:num_decode]]
+        return (torch.tensor(padded, dtype=torch.int32),
+                torch.tensor(lengths, dtype=torch.int32))
 
     def _decode_gather(self, plan: StepPlan, tables: list[list[int]], num_decode: int,
                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,6 +156,9 @@ class TorchAttention:
         # batched matmuls over (kv head, sequence): several times faster on CPU
         # than SDPA's flash kernel for one query row
         meta = self.meta
+        if meta.decode_tables is not None:
+            return paged.decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_lengths,
+                                meta.block_size, self.scale)
         batch, length = q.shape[0], meta.decode_bias.shape[-1]
         kv_heads, group, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         keys = k_cache.index_select(1, meta.decode_slots).view(kv_heads * batch, length, dim)

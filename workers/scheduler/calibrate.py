@@ -8,19 +8,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from workers.scheduler import qgemm
+from workers.scheduler.native import cpu_flags
 from workers.scheduler.linear import Dense, Int4, Kernels, quantize_int4
-
-
-def cpu_flags() -> set[str]:
-    try:
-        return set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return set()
 
 
 def cpu_has_bf16() -> bool:

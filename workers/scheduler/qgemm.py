@@ -1,29 +1,19 @@
-# Our AVX2 weight-only 4- and 8-bit matmuls (qgemm.c), compiled once per source
-# version into the user's cache with the system C compiler and called through
-# ctypes on fp32 activations. Where there is no compiler or no AVX2 and FMA,
-# `load()` says None and the projections keep torch's own 4-bit kernel.
+# Our AVX2 weight-only 4- and 8-bit matmuls (qgemm.c, built by native.py),
+# called on fp32 activations. Where they cannot be built, `load()` says None and
+# the projections keep torch's own 4-bit kernel.
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from pipeline.models import default_cache_dir
+from workers.scheduler import native
 
-log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("qgemm.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 
 @dataclass(frozen=True)
@@ -67,14 +57,8 @@ def matmul(x: torch.Tensor, w: Packed) -> torch.Tensor:
 
 @cache
 def load() -> ctypes.CDLL | None:
-    from workers.scheduler.calibrate import cpu_flags
-
-    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= cpu_flags():
-        return None
-    try:
-        lib = ctypes.CDLL(str(build()))
-    except (OSError, subprocess.SubprocessError) as error:
-        log.warning("no AVX2 4-bit kernel (%s): torch's own instead", error)
+    lib = native.load(SOURCE)
+    if lib is None:
         return None
     pointer, i32 = ctypes.c_void_p, ctypes.c_int
     for kernel in (lib.q4_gemm, lib.q8_gemm):
@@ -84,24 +68,4 @@ def load() -> ctypes.CDLL | None:
 
 
 def build() -> Path:
-    """The shared library, compiled on first use; concurrent builders each write
-    their own file and rename it into place."""
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = default_cache_dir().parent / "kernels" / f"qgemm-{digest}.so"
-    if target.exists():
-        return target
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, scratch = tempfile.mkstemp(dir=target.parent, suffix=".so")
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", scratch], check=True,
-                       capture_output=True, timeout=120)
-        os.replace(scratch, target)
-    finally:
-        if os.path.exists(scratch):
-            os.unlink(scratch)
-    return target
+    return native.build(SOURCE)

@@ -1,0 +1,62 @@
+# Our C kernels (qgemm.c, paged_attention.c), compiled once per source version
+# into the user's cache with the system C compiler and loaded through ctypes.
+# They link torch's own OpenMP runtime, so they share its thread pool. Where
+# there is no compiler or no AVX2 and FMA, `load` says None and the caller
+# keeps torch's ops.
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from pipeline.models import default_cache_dir
+
+log = logging.getLogger(__name__)
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+
+
+def cpu_flags() -> set[str]:
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
+def load(source: Path) -> ctypes.CDLL | None:
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= cpu_flags():
+        return None
+    try:
+        return ctypes.CDLL(str(build(source)))
+    except (OSError, subprocess.SubprocessError) as error:
+        log.warning("no %s kernel (%s): torch's own ops instead", source.stem, error)
+        return None
+
+
+def build(source: Path) -> Path:
+    """The shared library, compiled on first use; concurrent builders each write
+    their own file and rename it into place."""
+    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    target = default_cache_dir().parent / "kernels" / f"{source.stem}-{digest}.so"
+    if target.exists():
+        return target
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, scratch = tempfile.mkstemp(dir=target.parent, suffix=".so")
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(source), "-o", scratch], check=True,
+                       capture_output=True, timeout=120)
+        os.replace(scratch, target)
+    finally:
+        if os.path.exists(scratch):
+            os.unlink(scratch)
+    return target
