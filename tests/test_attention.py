@@ -15,11 +15,12 @@ from workers.scheduler.sequence import Sequence
 LAYERS, BLOCKS, BLOCK, HEADS, KV_HEADS, DIM = 2, 40, 16, 9, 3, 64
 
 
-def step(in_place: bool, lengths: list[int], prefill: int = 0,
-         sharpness: float = 1.0) -> torch.Tensor:
+def step(in_place: bool, lengths: list[int], prefill: int = 0, sharpness: float = 1.0,
+         dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """One step's attention output for decode rows at `lengths` (and one
     prefill chunk of `prefill` new tokens after them), same random inputs;
-    `sharpness` scales the queries, so the softmax runs from flat to one-hot."""
+    `sharpness` scales the queries, so the softmax runs from flat to one-hot.
+    Returns it with the KV cache after the step."""
     generator = torch.Generator().manual_seed(0)
     cache = make_cache("torch", LAYERS, BLOCKS, BLOCK, KV_HEADS, DIM, torch.float32,
                        torch.device("cpu"))
@@ -39,15 +40,37 @@ def step(in_place: bool, lengths: list[int], prefill: int = 0,
     rows = plan.num_tokens
     q = sharpness * torch.randn(rows, HEADS, DIM, generator=generator)
     k, v = (torch.randn(rows, KV_HEADS, DIM, generator=generator) for _ in range(2))
+    qkv = torch.cat([q, k, v], dim=1).to(dtype)  # as the model hands them: rows apart
+    q, k, v = qkv.split([HEADS, KV_HEADS, KV_HEADS], dim=1)
     with torch.inference_mode():
-        return torch.stack([attention(layer, q, k, v) for layer in range(LAYERS)])
+        out = torch.stack([attention(layer, q, k, v) for layer in range(LAYERS)]).float()
+    return out, torch.stack(cache.k + cache.v)
 
 
 @pytest.mark.skipif(paged.load() is None, reason="no AVX2 CPU or no C compiler")
 @pytest.mark.parametrize("sharpness", [0.01, 1.0, 30.0])
 @pytest.mark.parametrize("lengths", [[1], [17], [5, 16, 33, 100, 2], [64] * 6])
 def test_in_place_decode_matches_the_gathered_one(lengths, sharpness):
-    ours, gathered = (step(in_place, lengths, 7, sharpness) for in_place in (True, False))
+    (ours, _), (gathered, _) = (step(in_place, lengths, 7, sharpness)
+                                for in_place in (True, False))
     assert ours.shape == (LAYERS, len(lengths) + 7, HEADS * DIM)
     assert (ours - gathered).abs().max().item() < 5e-5  # fp32 rounding of scores
     assert ours.abs().max().item() > 0.1  # the values were attended, not left at zero
+
+
+@pytest.mark.skipif(paged.load() is None, reason="no AVX2 CPU or no C compiler")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_in_place_decode_takes_the_models_dtype(dtype):
+    lengths = [5, 16, 33, 100, 2]
+    (ours, _), (gathered, _) = (step(in_place, lengths, 7, dtype=dtype)
+                                for in_place in (True, False))
+    assert (ours - gathered).abs().max().item() < 2e-2  # one rounding of the output
+
+
+@pytest.mark.skipif(paged.load() is None, reason="no AVX2 CPU or no C compiler")
+def test_in_place_step_writes_every_new_key_and_value():
+    for lengths in ([], [3, 40]):  # prefill only, and decodes before a prefill
+        (ours, our_cache), (gathered, their_cache) = (step(in_place, lengths, 9)
+                                                      for in_place in (True, False))
+        assert torch.equal(our_cache, their_cache)
+        assert (ours - gathered).abs().max().item() < 5e-5

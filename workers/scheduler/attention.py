@@ -84,7 +84,7 @@ class TorchAttention:
         num_decode = next((i for i, c in enumerate(plan.chunks) if c.num_tokens != 1),
                           len(plan.chunks))
         decode_slots = decode_bias = decode_tables = decode_lengths = None
-        if num_decode and self.in_place:
+        if self.in_place:
             decode_tables, decode_lengths = self._decode_tables(plan, tables, num_decode)
         elif num_decode:
             decode_slots, decode_bias = self._decode_gather(plan, tables, num_decode, device)
@@ -100,9 +100,9 @@ class TorchAttention:
     def _decode_tables(plan: StepPlan, tables: list[list[int]],
                        num_decode: int) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = [c.start + 1 for c in plan.chunks[:num_decode]]
-        width = -(-max(lengths) // plan.block_size)
+        width = -(-max(lengths, default=1) // plan.block_size)
         padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables[:num_decode]]
-        return (torch.tensor(padded, dtype=torch.int32),
+        return (torch.tensor(padded, dtype=torch.int32).reshape(num_decode, width),
                 torch.tensor(lengths, dtype=torch.int32))
 
     def _decode_gather(self, plan: StepPlan, tables: list[list[int]], num_decode: int,
@@ -140,12 +140,16 @@ class TorchAttention:
         """q [T, heads, dim], k and v [T, kv_heads, dim] -> [T, heads * dim]."""
         meta = self.meta
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-        k_cache.index_copy_(1, meta.slots, k.transpose(0, 1).to(self.cache.dtype))
-        v_cache.index_copy_(1, meta.slots, v.transpose(0, 1).to(self.cache.dtype))
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype,
                           device=q.device)
-        if meta.num_decode:
-            out[:meta.num_decode] = self._decode(q[:meta.num_decode], k_cache, v_cache)
+        if meta.decode_tables is not None:  # writes k, v and decodes in one call
+            paged.step(q, k, v, meta.slots, k_cache, v_cache, meta.decode_tables,
+                       meta.decode_lengths, meta.block_size, self.scale, out)
+        else:
+            k_cache.index_copy_(1, meta.slots, k.transpose(0, 1).to(self.cache.dtype))
+            v_cache.index_copy_(1, meta.slots, v.transpose(0, 1).to(self.cache.dtype))
+            if meta.num_decode:
+                out[:meta.num_decode] = self._decode(q[:meta.num_decode], k_cache, v_cache)
         for part in meta.prefills:
             rows = slice(part.first, part.first + part.num_tokens)
             out[rows] = self._prefill(part, q[rows], k[rows], v[rows], k_cache, v_cache)
@@ -156,9 +160,6 @@ class TorchAttention:
         # batched matmuls over (kv head, sequence): several times faster on CPU
         # than SDPA's flash kernel for one query row
         meta = self.meta
-        if meta.decode_tables is not None:
-            return paged.decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_lengths,
-                                meta.block_size, self.scale)
         batch, length = q.shape[0], meta.decode_bias.shape[-1]
         kv_heads, group, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         keys = k_cache.index_select(1, meta.decode_slots).view(kv_heads * batch, length, dim)

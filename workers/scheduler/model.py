@@ -154,8 +154,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     residual stream turns "Paris" into nonsense (measured), as transformers knows."""
     if x.dtype == torch.float32:  # one fused op: the five below cost ~1.5x as much
         return F.rms_norm(x, weight.shape, weight, eps)
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    # normalized in fp32, rounded, then scaled in x's dtype, as transformers does
+    return F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype) * weight
 
 
 def rope_tables(spec: ModelSpec, device: torch.device,

@@ -21,8 +21,9 @@ def load() -> ctypes.CDLL | None:
     if lib is None:
         return None
     pointer, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.paged_decode.argtypes = [pointer, i32, i32, i32, i32, pointer, pointer, i64, pointer,
-                                 i32, pointer, i32, ctypes.c_float, pointer]
+    lib.paged_decode.argtypes = [pointer, i64, pointer, i64, pointer, i64, i32, i32, pointer,
+                                 i32, i32, i32, i32, pointer, pointer, i64, pointer, i32,
+                                 pointer, i32, ctypes.c_float, pointer]
     lib.paged_decode.restype = None
     return lib
 
@@ -31,16 +32,30 @@ def build() -> Path:
     return native.build(SOURCE)
 
 
-def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           tables: torch.Tensor, lengths: torch.Tensor, block_size: int,
-           scale: float) -> torch.Tensor:
-    """q [batch, heads, dim]; caches fp32 [kv_heads, slots, dim]; tables int32
-    [batch, width] and lengths int32 [batch] -> fp32 [batch, heads * dim]."""
-    q = q.float().contiguous()
-    batch, heads, dim = q.shape
-    kv_heads, slots, _ = k_cache.shape
-    out = torch.empty(batch, heads * dim)
-    load().paged_decode(q.data_ptr(), batch, heads, kv_heads, dim, k_cache.data_ptr(),
-                        v_cache.data_ptr(), slots, tables.data_ptr(), tables.shape[1],
-                        lengths.data_ptr(), block_size, scale, out.data_ptr())
-    return out
+def rows_of(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [rows, heads, dim] in `dtype` with heads and dims packed (rows may be apart)."""
+    x = x.to(dtype)
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
+def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+         k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+         lengths: torch.Tensor, block_size: int, scale: float, out: torch.Tensor) -> None:
+    """One layer: k and v [rows, kv_heads, dim] of every token written to `slots`
+    of the fp32 caches [kv_heads, slots, dim], then the first len(lengths) rows of
+    q [rows, heads, dim] attended through `tables` (int32 [batch, width]) into
+    out [rows, heads * dim]. The kernel reads and writes bf16 or fp32 (others
+    through an fp32 copy)."""
+    if out.dtype not in (torch.bfloat16, torch.float32):
+        staged = torch.empty(out.shape)
+        step(q, k, v, slots, k_cache, v_cache, tables, lengths, block_size, scale, staged)
+        out[:len(lengths)] = staged[:len(lengths)]
+        return
+    dtype = out.dtype
+    q, k, v = rows_of(q, dtype), rows_of(k, dtype), rows_of(v, dtype)
+    kv_heads, cache_slots, dim = k_cache.shape
+    load().paged_decode(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+        int(dtype == torch.bfloat16), q.shape[0], slots.data_ptr(), len(lengths), q.shape[1],
+        kv_heads, dim, k_cache.data_ptr(), v_cache.data_ptr(), cache_slots, tables.data_ptr(),
+        tables.shape[1], lengths.data_ptr(), block_size, scale, out.data_ptr())
