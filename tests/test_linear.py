@@ -159,13 +159,13 @@ def test_quantization_modes_resolve_by_device_and_dtype():
 
 def test_qgemm_without_a_compiler_leaves_torchs_kernel(tmp_path):
     """A host with no C compiler (or a failing one) serves on torch's kernels."""
-    script = ("from workers.scheduler import qgemm, calibrate, paged; "
+    script = ("import torch; from workers.scheduler import qgemm, calibrate, fused, paged; "
               "print(qgemm.load() is None, calibrate.qgemm_is_faster(576, 1536), "
-              "paged.load() is None)")
+              "paged.load() is None, type(fused.choose_ops(torch.device('cpu'))).__name__)")
     env = {**os.environ, "CC": "/bin/false", "XDG_CACHE_HOME": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=120, check=True)
-    assert done.stdout.split() == ["True", "False", "True"]
+    assert done.stdout.split() == ["True", "False", "True", "TorchOps"]
     assert not list(tmp_path.rglob("*.so"))  # no half-written library left behind
 
 

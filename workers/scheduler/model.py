@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 
+from workers.scheduler.fused import choose_ops, rms_norm
 from workers.scheduler.linear import PLAIN, Dense, Kernels, make_linear
 
 
@@ -94,6 +94,7 @@ class LlamaModel:
         self.layers = [self._layer(get, weights, f"model.layers.{i}.", device)
                        for i in range(spec.num_layers)]
         self.cos, self.sin = rope_tables(spec, device, dtype)
+        self.ops = choose_ops(device)
 
     def _layer(self, get, weights: dict, p: str, device: torch.device) -> Layer:
         def linear(names: list[str], bias: bool = False) -> Dense:
@@ -125,37 +126,28 @@ class LlamaModel:
                 attend) -> torch.Tensor:
         """Hidden states of all tokens, logits (fp32) only of `logit_rows`.
         `attend(layer_index, q, k, v)` writes k, v to the cache and attends."""
-        spec = self.spec
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        h = self.embed[input_ids]
+        spec, ops, eps = self.spec, self.ops, self.spec.rms_eps
+        h = self.embed[input_ids]  # the residual stream, updated in place
         num_q, num_kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        # rope and (Qwen3) q/k norm run once over q and k side by side
+        x = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, spec.rms_eps)
-            qkv = layer.qkv(x)
-            qk, v = qkv.split([num_q + num_kv, num_kv], dim=-1)
+            qk, v = layer.qkv(x).split([num_q + num_kv, num_kv], dim=-1)
             qk = qk.view(-1, spec.num_heads + spec.num_kv_heads, spec.head_dim)
             if layer.q_norm is not None:
                 qk = torch.cat([
-                    rms_norm(qk[:, :spec.num_heads], layer.q_norm, spec.rms_eps),
-                    rms_norm(qk[:, spec.num_heads:], layer.k_norm, spec.rms_eps)], dim=1)
-            q, k = apply_rope(qk, cos, sin).split([spec.num_heads, spec.num_kv_heads], dim=1)
+                    rms_norm(qk[:, :spec.num_heads], layer.q_norm, eps),
+                    rms_norm(qk[:, spec.num_heads:], layer.k_norm, eps)], dim=1)
+            ops.rope_(qk, positions, self.cos, self.sin)  # q and k side by side
+            q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
             out = attend(index, q, k, v.view(-1, spec.num_kv_heads, spec.head_dim))
-            h = h + layer.o(out)
-            x = rms_norm(h, layer.post_norm, spec.rms_eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
-        x = rms_norm(h[logit_rows], self.norm, spec.rms_eps)
+            x = ops.add_rms_norm(h, layer.o(out), layer.post_norm, eps)
+            down = layer.down(ops.silu_mul(layer.gate_up(x)))
+            if index + 1 < len(self.layers):
+                x = ops.add_rms_norm(h, down, self.layers[index + 1].input_norm, eps)
+            else:
+                h += down
+        x = rms_norm(h[logit_rows], self.norm, eps)
         return self.lm_head(x).float()
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalize in fp32 whatever the dtype: a bf16 RMSNorm over this model's
-    residual stream turns "Paris" into nonsense (measured), as transformers knows."""
-    if x.dtype == torch.float32:  # one fused op: the five below cost ~1.5x as much
-        return F.rms_norm(x, weight.shape, weight, eps)
-    # normalized in fp32, rounded, then scaled in x's dtype, as transformers does
-    return F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype) * weight
 
 
 def rope_tables(spec: ModelSpec, device: torch.device,
@@ -165,8 +157,3 @@ def rope_tables(spec: ModelSpec, device: torch.device,
     angles = torch.outer(torch.arange(spec.max_position, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin

@@ -40,10 +40,12 @@ def load(source: Path) -> ctypes.CDLL | None:
 
 
 def build(source: Path) -> Path:
-    """The shared library, compiled on first use; concurrent builders each write
-    their own file and rename it into place."""
-    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = default_cache_dir().parent / "kernels" / f"{source.stem}-{digest}.so"
+    """The shared library, compiled on first use (named by a hash of the source,
+    the headers beside it and the flags); concurrent builders each write their
+    own file and rename it into place."""
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(FLAGS).encode())
+    target = default_cache_dir().parent / "kernels" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")

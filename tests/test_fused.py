@@ -1,0 +1,68 @@
+"""ops.c against the torch ops it replaces, in bf16 and fp32."""
+
+import pytest
+import torch
+
+from workers.scheduler import fused
+from workers.scheduler.fused import NativeOps, TorchOps
+
+pytestmark = pytest.mark.skipif(fused.load() is None, reason="no AVX2 CPU or no C compiler")
+DTYPES = [torch.float32, torch.bfloat16]
+ULP = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}  # relative: a rounding or two
+
+
+def close(mine: torch.Tensor, theirs: torch.Tensor, dtype: torch.dtype,
+          floor: float = 1e-2) -> bool:
+    """Within two roundings of each other, relative to |theirs| or `floor`."""
+    assert mine.dtype == theirs.dtype == dtype and mine.shape == theirs.shape
+    error = (mine.float() - theirs.float()).abs() / theirs.float().abs().clamp(min=floor)
+    return error.max().item() <= 2 * ULP[dtype]
+
+
+def randn(*shape, dtype, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return NativeOps(fused.load()), TorchOps()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 33])
+def test_add_rms_norm_updates_the_residual_and_normalizes(ops, dtype, rows):
+    h, delta, weight = randn(rows, 576, dtype=dtype), randn(rows, 576, dtype=dtype, seed=1), \
+        randn(576, dtype=dtype, seed=2)
+    outputs, residuals = [], []
+    for impl in ops:
+        residual = h.clone()
+        outputs.append(impl.add_rms_norm(residual, delta, weight, 1e-5))
+        residuals.append(residual)
+    assert torch.equal(*residuals)  # one rounding of the same sum
+    assert close(*outputs, dtype)
+    assert close(ops[0].add_rms_norm(h.clone(), None, weight, 1e-5),
+                 ops[1].add_rms_norm(h.clone(), None, weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_turns_q_and_k_in_place_within_the_qkv_rows(ops, dtype):
+    cos, sin = randn(100, 64, dtype=dtype, seed=1), randn(100, 64, dtype=dtype, seed=2)
+    cos, sin = torch.cat([cos[:, :32]] * 2, -1), torch.cat([sin[:, :32]] * 2, -1)  # as tables are
+    positions = torch.tensor([0, 7, 99, 3, 3])
+    turned = []
+    for impl in ops:
+        qkv = randn(5, 15 * 64, dtype=dtype)
+        qk = qkv[:, :12 * 64].view(5, 12, 64)  # rows 15 heads apart, v untouched
+        impl.rope_(qk, positions, cos, sin)
+        turned.append(qkv)
+    assert torch.equal(turned[0][:, 12 * 64:], randn(5, 15 * 64, dtype=dtype)[:, 12 * 64:])
+    # torch rounds a cos and b sin before their sum, ours once after: near a
+    # cancellation the two differ by a rounding of the terms, not of the result
+    assert close(*turned, dtype, floor=4.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 20])
+def test_silu_mul_matches_torch_over_a_wide_range(ops, dtype, rows):
+    gate_up = 8 * randn(rows, 2 * 1539, dtype=dtype)  # not a multiple of 8: the tail too
+    assert close(*(impl.silu_mul(gate_up) for impl in ops), dtype)

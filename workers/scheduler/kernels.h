@@ -1,0 +1,63 @@
+/* What our C kernels share (AVX2 and FMA): a vector e^x, and rows of bf16 or
+   fp32 read into and written from fp32. */
+
+#ifndef PIPELINE_KERNELS_H
+#define PIPELINE_KERNELS_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+/* e^x for x <= 0, to ~2 ulp: x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor
+   polynomial to r^7, 2^n through the exponent bits; under -87 it flushes to 0. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 floor = _mm256_set1_ps(-87.0f);
+    __m256 under = _mm256_cmp_ps(x, floor, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, floor);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 e = _mm256_set1_ps(1.0f / 5040);
+    const float c[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    for (int i = 0; i < 7; i++) e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(c[i]));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                      _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(e, _mm256_castsi256_ps(bits)));
+}
+
+static inline float bf16_to_float(uint16_t half) {
+    uint32_t bits = (uint32_t)half << 16;
+    float x;
+    memcpy(&x, &bits, 4);
+    return x;
+}
+
+static inline uint16_t float_to_bf16(float x) {  /* round to nearest even */
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+/* x as bf16 would hold it, or x itself for fp32 */
+static inline float rounded(float x, int bf16) {
+    return bf16 ? bf16_to_float(float_to_bf16(x)) : x;
+}
+
+static inline void load_row(const void *src, int bf16, float *dst, int n) {
+    if (!bf16) {
+        for (int i = 0; i < n; i++) dst[i] = ((const float *)src)[i];
+        return;
+    }
+    for (int i = 0; i < n; i++) dst[i] = bf16_to_float(((const uint16_t *)src)[i]);
+}
+
+static inline void store_row(const float *src, int bf16, void *dst, int n) {
+    if (!bf16) {
+        for (int i = 0; i < n; i++) ((float *)dst)[i] = src[i];
+        return;
+    }
+    for (int i = 0; i < n; i++) ((uint16_t *)dst)[i] = float_to_bf16(src[i]);
+}
+
+#endif

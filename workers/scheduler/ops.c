@@ -1,0 +1,82 @@
+/* The elementwise parts of a decoder layer on the CPU, each one pass over its
+   rows where torch takes three to six ops (fused.py). bf16 or fp32 throughout;
+   each rounds where torch's ops would, so results match theirs. */
+
+#include <math.h>
+
+#include "kernels.h"
+
+#define PARALLEL(rows) _Pragma("omp parallel for if ((rows) >= 8) schedule(static)")
+
+/* h [rows, n] += delta (unless NULL), rounded; out = (h / rms(h)) rounded, times
+   weight, rounded: the residual stream's update and the next norm in one pass. */
+void add_rms_norm(void *h, const void *delta, const void *weight, void *out, int rows,
+                  int n, float eps, int bf16) {
+    const int width = bf16 ? 2 : 4;
+    PARALLEL(rows)
+    for (int r = 0; r < rows; r++) {
+        float x[n], w[n];
+        char *hr = (char *)h + (int64_t)width * r * n;
+        load_row(hr, bf16, x, n);
+        if (delta) {
+            load_row((const char *)delta + (int64_t)width * r * n, bf16, w, n);
+            for (int i = 0; i < n; i++) x[i] = rounded(x[i] + w[i], bf16);
+            store_row(x, bf16, hr, n);
+        }
+        float squares = 0.0f;
+        #pragma omp simd reduction(+:squares)
+        for (int i = 0; i < n; i++) squares += x[i] * x[i];
+        const float inverse = 1.0f / sqrtf(squares / n + eps);
+        load_row(weight, bf16, w, n);
+        for (int i = 0; i < n; i++) x[i] = rounded(x[i] * inverse, bf16) * w[i];
+        store_row(x, bf16, (char *)out + (int64_t)width * r * n, n);
+    }
+}
+
+/* Rotary embedding in place on x [rows, heads, dim] (rows `stride` elements
+   apart): each head's halves (a, b) -> (a cos - b sin, b cos + a sin), the
+   angles of the row's position from cos and sin [positions, dim]. */
+void rope(void *x, int64_t stride, int rows, int heads, int dim, const int64_t *positions,
+          const void *cos, const void *sin, int bf16) {
+    const int width = bf16 ? 2 : 4, half = dim / 2;
+    PARALLEL(rows)
+    for (int r = 0; r < rows; r++) {
+        float c[dim], s[dim], v[dim];
+        load_row((const char *)cos + (int64_t)width * positions[r] * dim, bf16, c, dim);
+        load_row((const char *)sin + (int64_t)width * positions[r] * dim, bf16, s, dim);
+        for (int h = 0; h < heads; h++) {
+            char *head = (char *)x + (int64_t)width * (r * stride + (int64_t)h * dim);
+            load_row(head, bf16, v, dim);
+            float turned[dim];
+            for (int i = 0; i < half; i++) {
+                turned[i] = v[i] * c[i] - v[i + half] * s[i];
+                turned[i + half] = v[i + half] * c[i + half] + v[i] * s[i + half];
+            }
+            store_row(turned, bf16, head, dim);
+        }
+    }
+}
+
+/* out [rows, n] = silu(gate) * up, rounded after each, from gate_up [rows, 2n]. */
+void silu_mul(const void *gate_up, void *out, int rows, int n, int bf16) {
+    const int width = bf16 ? 2 : 4;
+    PARALLEL(rows)
+    for (int r = 0; r < rows; r++) {
+        float g[n], u[n];
+        load_row((const char *)gate_up + (int64_t)width * r * 2 * n, bf16, g, n);
+        load_row((const char *)gate_up + (int64_t)width * (r * 2 * n + n), bf16, u, n);
+        int i = 0;
+        for (; i + 8 <= n; i += 8) {  /* g sigmoid(g), sigmoid from e^-|g| */
+            __m256 x = _mm256_loadu_ps(g + i);
+            __m256 minus_abs = _mm256_or_ps(x, _mm256_set1_ps(-0.0f));
+            __m256 e = exp8(minus_abs);
+            __m256 one = _mm256_set1_ps(1.0f), total = _mm256_add_ps(one, e);
+            __m256 positive = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
+            __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(e, one, positive), total);
+            _mm256_storeu_ps(g + i, _mm256_mul_ps(x, sigmoid));
+        }
+        for (; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i]));
+        for (i = 0; i < n; i++) g[i] = rounded(rounded(g[i], bf16) * u[i], bf16);
+        store_row(g, bf16, (char *)out + (int64_t)width * r * n, n);
+    }
+}
