@@ -129,6 +129,28 @@ def test_qgemm_is_exact_on_4_and_8_bit_weights(checkpoint):
             assert relative_error(out, x @ weight.float().t()) < 1e-5
 
 
+@pytest.mark.skipif(qgemm.load_bf16() is None, reason="no avx512_bf16 CPU or no C compiler")
+def test_qgemm_bf16_is_exact_on_bf16_activations(checkpoint):
+    """The blocked kernels: fp32 sums of bf16 activations times the exact weight,
+    at every tile shape (1-3 rows, blocks of 4, what is left over)."""
+    generator = torch.Generator().manual_seed(0)
+    down = checkpoint["model.layers.7.mlp.down_proj.weight"]
+    embed = checkpoint["model.embed_tokens.weight"][:1024]
+    for weight, quantize, pack in ((down, quantize_int4, qgemm.pack_q4),
+                                   (embed, quantize_int8, qgemm.pack_q8)):
+        packed = pack(*quantize(weight)[:2], blocked=True)
+        for rows in (1, 2, 3, 4, 7, 13):
+            x = torch.randn(rows, weight.shape[1], generator=generator).bfloat16()
+            out = qgemm.matmul(x, packed)
+            assert out.shape == (rows, weight.shape[0]) and out.dtype == torch.float32
+            # levels read as 128 + q: the sum loses a few of fp32's 24 bits, not bf16's 8
+            assert relative_error(out, x.float() @ weight.float().t()) < 1e-5
+    linear = make_linear(down, None, torch.bfloat16, "lossless", Kernels(qgemm=True))
+    assert linear.qgemm.blocked and linear.small_batch == 12
+    x = torch.randn(5, down.shape[1], generator=generator).bfloat16()
+    assert relative_error(linear(x).float(), x.float() @ down.float().t()) < 1e-2
+
+
 @needs_qgemm
 def test_qgemm_kernels_serve_small_batches_in_fp32(checkpoint):
     generator = torch.Generator().manual_seed(0)
@@ -160,7 +182,7 @@ def test_quantization_modes_resolve_by_device_and_dtype():
 def test_qgemm_without_a_compiler_leaves_torchs_kernel(tmp_path):
     """A host with no C compiler (or a failing one) serves on torch's kernels."""
     script = ("import torch; from workers.scheduler import qgemm, calibrate, fused, paged; "
-              "print(qgemm.load() is None, calibrate.qgemm_is_faster(576, 1536), "
+              "print(qgemm.load() is None, calibrate.qgemm_is_faster(torch.bfloat16, 576, 1536), "
               "paged.load() is None, type(fused.choose_ops(torch.device('cpu'))).__name__)")
     env = {**os.environ, "CC": "/bin/false", "XDG_CACHE_HOME": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,

@@ -42,6 +42,27 @@ def all_logits(model: LlamaModel, prompts: list[list[int]]) -> list[torch.Tensor
     return list(logits.split([len(p) for p in prompts]))
 
 
+def decode_logits(model: LlamaModel, prompt: list[int]) -> torch.Tensor:
+    """Logits at every position of one prompt fed a token a step, as decoding
+    runs: one row per forward, attending to the cache."""
+    spec = model.spec
+    allocator = BlockAllocator(64, BLOCK)
+    cache = make_cache("torch", spec.num_layers, 64, BLOCK, spec.num_kv_heads, spec.head_dim,
+                       model.dtype, torch.device("cpu"))
+    attention = TorchAttention(cache, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    seq = Sequence("0", prompt, len(prompt), Sampling(), 0, 0)
+    allocator.allocate(seq.request_id, prompt)
+    rows = []
+    for position in range(len(prompt)):
+        plan = StepPlan([Chunk(seq, position, 1)], block_size=BLOCK)
+        attention.prepare(plan, [allocator.block_table("0")], torch.device("cpu"))
+        with torch.inference_mode():
+            rows.append(model.forward(torch.tensor(plan.input_ids()),
+                                      torch.tensor(plan.positions()), torch.tensor([0]),
+                                      attention))
+    return torch.cat(rows)
+
+
 def reference_logits(hf_model, prompts: list[list[int]]) -> list[torch.Tensor]:
     with torch.inference_mode():
         return [hf_model(torch.tensor([ids])).logits[0].float() for ids in prompts]
@@ -84,15 +105,32 @@ def test_fp32_logits_match_transformers_llama(model_files, hf_smollm, prompts, n
     kernels, quantization = FP32_KERNELS[name]
     if kernels.qgemm and qgemm.load() is None:
         pytest.skip("no AVX2 CPU or no C compiler")
-    ours = all_logits(load(model_files.path, torch.float32, kernels, quantization), prompts)
-    for mine, theirs in zip(ours, reference_logits(hf_smollm, prompts), strict=True):
+    model = load(model_files.path, torch.float32, kernels, quantization)
+    ours = all_logits(model, prompts) + [decode_logits(model, prompts[0])]
+    references = reference_logits(hf_smollm, prompts + prompts[:1])
+    for mine, theirs in zip(ours, references, strict=True):
         assert (mine - theirs).abs().max().item() < 5e-3
 
 
-@pytest.mark.parametrize("kernels", [PLAIN, Kernels(onednn=True)], ids=["torch", "onednn"])
-def test_bf16_logits_stay_close_to_transformers_fp32(model_files, hf_smollm, prompts, kernels):
+BF16_KERNELS = {
+    "torch": (PLAIN, "none"), "onednn": (Kernels(onednn=True), "none"),
+    # the checkpoint's own 4- and 8-bit weights, which the one-row decode steps
+    # run on: torch's kernel, or qgemm (its bf16 kernels where the CPU has them)
+    "torch-4bit": (Kernels(onednn=True), "lossless"),
+    "qgemm": (Kernels(onednn=True, qgemm=True), "lossless")}
+
+
+@pytest.mark.parametrize("name", BF16_KERNELS)
+def test_bf16_logits_stay_close_to_transformers_fp32(model_files, hf_smollm, prompts, name):
+    kernels, quantization = BF16_KERNELS[name]
+    if kernels.qgemm and qgemm.load() is None:
+        pytest.skip("no AVX2 CPU or no C compiler")
     chats = prompts[:len(TEXTS)]
-    ours = all_logits(load(model_files.path, torch.bfloat16, kernels), chats)
+    model = load(model_files.path, torch.bfloat16, kernels, quantization)
+    # prompts in one forward, and token by token as decoding runs (the decode
+    # attention, and the 4-bit paths, take only a few rows)
+    ours = all_logits(model, chats) + [decode_logits(model, chat) for chat in chats]
+    chats = chats * 2
     for mine, theirs in zip(ours, reference_logits(hf_smollm, chats), strict=True):
         assert (mine - theirs).abs().max().item() < 2.5
         log_p, log_q = torch.log_softmax(theirs, -1), torch.log_softmax(mine, -1)

@@ -29,22 +29,25 @@ def cpu_flags() -> set[str]:
         return set()
 
 
-def load(source: Path) -> ctypes.CDLL | None:
-    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= cpu_flags():
+def load(source: Path, flags: tuple[str, ...] = (),
+         needs: frozenset[str] = frozenset({"avx2", "fma"})) -> ctypes.CDLL | None:
+    """`flags` beyond FLAGS; `needs`: the CPU flags the kernel's code takes."""
+    if platform.machine() not in ("x86_64", "AMD64") or not needs <= cpu_flags():
         return None
     try:
-        return ctypes.CDLL(str(build(source)))
+        return ctypes.CDLL(str(build(source, flags)))
     except (OSError, subprocess.SubprocessError) as error:
         log.warning("no %s kernel (%s): torch's own ops instead", source.stem, error)
         return None
 
 
-def build(source: Path) -> Path:
+def build(source: Path, flags: tuple[str, ...] = ()) -> Path:
     """The shared library, compiled on first use (named by a hash of the source,
     the headers beside it and the flags); concurrent builders each write their
     own file and rename it into place."""
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(FLAGS).encode())
+    command = [*FLAGS, *flags]
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(command).encode())
     target = default_cache_dir().parent / "kernels" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -55,7 +58,7 @@ def build(source: Path) -> Path:
     fd, scratch = tempfile.mkstemp(dir=target.parent, suffix=".so")
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(source), "-o", scratch], check=True,
+        subprocess.run([compiler, *command, str(source), "-o", scratch], check=True,
                        capture_output=True, timeout=120)
         os.replace(scratch, target)
     finally:
