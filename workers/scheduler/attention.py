@@ -63,8 +63,9 @@ class TorchMeta:
 
 
 class TorchAttention:
-    """Over an "HND" cache. On CPU keep that cache in fp32: bf16 bmm of these
-    small shapes is 2-6x slower than fp32 here (3x3x64 by 64x64: 51 vs 8 us)."""
+    """Over an "HND" cache (kv_dtype says which dtype: torch's bf16 bmm of these
+    small shapes was 2-6x slower than fp32 on one host, 3x3x64 by 64x64: 51 vs
+    8 us, so only our kernel reads a bf16 cache)."""
 
     def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int,
                  in_place: bool | None = None):
@@ -73,7 +74,7 @@ class TorchAttention:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.meta: TorchMeta | None = None
-        can = (cache.dtype == torch.float32 and cache.k[0].device.type == "cpu"
+        can = (cache.dtype in (torch.float32, torch.bfloat16) and cache.k[0].device.type == "cpu"
                and paged.load() is not None)
         self.in_place = can if in_place is None else in_place and can
 
@@ -202,7 +203,11 @@ def make_cache(backend: str, num_layers: int, num_blocks: int, block_size: int,
 
 
 def kv_dtype(backend: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    return torch.float32 if backend == "torch" and device.type == "cpu" else dtype
+    """The torch backend on the CPU keeps fp32, where torch's bf16 bmm is slow,
+    except for a bf16 model on our kernel, which reads bf16 (half the bytes)."""
+    if backend != "torch" or device.type != "cpu":
+        return dtype
+    return torch.bfloat16 if dtype == torch.bfloat16 and paged.load() is not None else torch.float32
 
 
 def make_backend(backend: str, cache: KVCache, spec, device: torch.device):

@@ -42,12 +42,12 @@ def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
          k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
          lengths: torch.Tensor, block_size: int, scale: float, out: torch.Tensor) -> None:
     """One layer: k and v [rows, kv_heads, dim] of every token written to `slots`
-    of the fp32 caches [kv_heads, slots, dim], then the first len(lengths) rows of
+    of the caches [kv_heads, slots, dim], then the first len(lengths) rows of
     q [rows, heads, dim] attended through `tables` (int32 [batch, width]) into
-    out [rows, heads * dim]. The kernel reads and writes bf16 or fp32 (others
-    through an fp32 copy)."""
-    if out.dtype not in (torch.bfloat16, torch.float32):
-        staged = torch.empty(out.shape)
+    out [rows, heads * dim]. The kernel reads and writes the caches' dtype, bf16
+    or fp32 (other outputs through a copy)."""
+    if out.dtype != k_cache.dtype:
+        staged = torch.empty(out.shape, dtype=k_cache.dtype)
         step(q, k, v, slots, k_cache, v_cache, tables, lengths, block_size, scale, staged)
         out[:len(lengths)] = staged[:len(lengths)]
         return
