@@ -2,7 +2,7 @@
 # CPUs here differ too much to choose by name (bf16 matmul 2x fp32 on one host
 # with avx512_bf16, 1.7x slower on another; MKL's sgemm 1.3-1.6x behind oneDNN's
 # on an AMD host, and torch's bf16 matmul 1.5x behind oneDNN's on a packed weight
-# on an AMD Zen 5). Each timing takes well under a second.
+# on an AMD Zen 5). The timings take about a second in all.
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from collections.abc import Callable
 import torch
 
 from workers.scheduler import qgemm
-from workers.scheduler.native import cpu_flags
 from workers.scheduler.linear import Dense, Int4, Int8, Kernels, quantize_int4, quantize_int8
+from workers.scheduler.native import cpu_flags
 
 
 def cpu_has_bf16() -> bool:
