@@ -140,11 +140,14 @@ def test_qgemm_bf16_is_exact_on_bf16_activations(checkpoint):
                                    (embed, quantize_int8, qgemm.pack_q8)):
         packed = pack(*quantize(weight)[:2], blocked=True)
         for rows in (1, 2, 3, 4, 7, 13):
-            x = torch.randn(rows, weight.shape[1], generator=generator).bfloat16()
+            # fp32 holding bf16 values: the kernel reads them exactly, answers in fp32
+            x = torch.randn(rows, weight.shape[1], generator=generator).bfloat16().float()
             out = qgemm.matmul(x, packed)
             assert out.shape == (rows, weight.shape[0]) and out.dtype == torch.float32
             # levels read as 128 + q: the sum loses a few of fp32's 24 bits, not bf16's 8
-            assert relative_error(out, x.float() @ weight.float().t()) < 1e-5
+            assert relative_error(out, x @ weight.float().t()) < 1e-5
+            rounded = qgemm.matmul(x.bfloat16(), packed)  # bf16 in, bf16 out
+            assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, out.bfloat16())
     linear = make_linear(down, None, torch.bfloat16, "lossless", Kernels(qgemm=True))
     assert linear.qgemm.blocked and linear.small_batch == 12
     x = torch.randn(5, down.shape[1], generator=generator).bfloat16()

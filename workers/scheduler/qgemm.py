@@ -80,14 +80,18 @@ def blocked_for(dtype: torch.dtype) -> bool:
 
 
 def matmul(x: torch.Tensor, w: Packed) -> torch.Tensor:
-    """x [rows, in] (any float dtype) @ w.T -> fp32 [rows, out]; a blocked weight
-    takes x in bf16, others in fp32."""
+    """x [rows, in] (any float dtype) @ w.T -> [rows, out]: a blocked weight takes
+    x in bf16 and gives x's dtype if bf16 or fp32 (else fp32); others compute and
+    give fp32."""
     if w.blocked:
-        lib, x = load_bf16(), x.to(torch.bfloat16).contiguous()
+        lib = load_bf16()
+        dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.float32
+        x = x.to(torch.bfloat16).contiguous()
         rows, in_dim = x.shape
-        out = torch.empty(rows, w.q.shape[0] * 4)
+        out = torch.empty(rows, w.q.shape[0] * 4, dtype=dtype)
         kernel = lib.q4_gemm_bf16 if w.bits == 4 else lib.q8_gemm_bf16
-        kernel(x.data_ptr(), rows, in_dim, w.q.data_ptr(), out.data_ptr(), out.shape[1])
+        kernel(x.data_ptr(), rows, in_dim, w.q.data_ptr(), out.data_ptr(),
+               int(dtype == torch.bfloat16), out.shape[1])
         return out
     lib, x = load(), x.float().contiguous()
     rows, in_dim = x.shape
@@ -110,7 +114,7 @@ def load_bf16() -> ctypes.CDLL | None:
         return None
     lib = native.load(SOURCE_BF16, FLAGS_BF16, NEEDS_BF16)
     pointer, i32 = ctypes.c_void_p, ctypes.c_int
-    return _declare(lib, [pointer, i32, i32, pointer, pointer, i32], "q4_gemm_bf16",
+    return _declare(lib, [pointer, i32, i32, pointer, pointer, i32, i32], "q4_gemm_bf16",
                     "q8_gemm_bf16")
 
 

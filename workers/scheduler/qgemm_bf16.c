@@ -9,7 +9,7 @@
    in their low and high nibbles, 32 holding 2 and 3; 8-bit: 32 bytes each),
    then 4 fp32 scales, then (4-bit) 4 fp32 minimums. A 4-bit level q becomes
    the bf16 of 128 + q by or-ing its exponent in (no shuffle): the minimums are
-   stored less 128 scales to match. */
+   stored less 128 scales to match. y is fp32, or bf16 rounded to nearest even. */
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -41,10 +41,17 @@ static inline float to_float(uint16_t half) {
     return f;
 }
 
-/* Outputs n..n+3 by R rows from m; `w` is their block. */
+/* round to nearest even */
+static inline uint16_t to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+/* Outputs n..n+3 by R rows from m; `w` is their block; y bf16 if `bf16_out`. */
 static inline __attribute__((always_inline)) void tile(
-        const uint16_t *x, const float *sums, int K, const uint8_t *w, float *y, int N, int n,
-        int m, const int R, const int BITS) {
+        const uint16_t *x, const float *sums, int K, const uint8_t *w, void *y, int bf16_out,
+        int N, int n, int m, const int R, const int BITS) {
     const int G = K / 32, block = BITS == 4 ? Q4_BLOCK : Q8_BLOCK;
     __m512 acc[4][4];  /* [output][row]; fixed sizes keep them in registers */
     __m128 lows[4];  /* [row]: 4-bit minimums times the sums of x, per output */
@@ -91,14 +98,22 @@ static inline __attribute__((always_inline)) void tile(
         float low[4];
         _mm_storeu_ps(low, lows[r]);
         #pragma GCC unroll 4
-        for (int b = 0; b < 4; b++)
-            y[(int64_t)(m + r) * N + n + b] = _mm512_reduce_add_ps(acc[b][r]) + low[b];
+        for (int b = 0; b < 4; b++) {
+            float total = _mm512_reduce_add_ps(acc[b][r]) + low[b];
+            int64_t at = (int64_t)(m + r) * N + n + b;
+            if (bf16_out)
+                ((uint16_t *)y)[at] = to_bf16(total);
+            else
+                ((float *)y)[at] = total;
+        }
     }
 }
 
-#define T(R, BITS) tile(x, sums, K, w + (int64_t)(n / 4) * G * block, y, N, n, m, R, BITS)
+#define T(R, BITS) tile(x, sums, K, w + (int64_t)(n / 4) * G * block, y, bf16_out, N, n, m, \
+                        R, BITS)
 #define GEMM(NAME, BITS)                                                                \
-void NAME(const uint16_t *x, int M, int K, const uint8_t *w, float *y, int N) {         \
+void NAME(const uint16_t *x, int M, int K, const uint8_t *w, void *y, int bf16_out,     \
+          int N) {                                                                      \
     const int G = K / 32, block = BITS == 4 ? Q4_BLOCK : Q8_BLOCK;                      \
     float *sums = malloc(sizeof(float) * (size_t)M * G);  /* x per row and group */     \
     for (int64_t i = 0; i < (int64_t)M * G; i++) {                                      \
