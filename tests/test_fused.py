@@ -23,14 +23,14 @@ def randn(*shape, dtype, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-@pytest.fixture(scope="module")
-def ops():
-    return NativeOps(fused.load()), TorchOps()
+def implementations(dtype: torch.dtype) -> tuple[NativeOps, TorchOps]:
+    return NativeOps(fused.load(), dtype), TorchOps()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 33])
-def test_add_rms_norm_updates_the_residual_and_normalizes(ops, dtype, rows):
+def test_add_rms_norm_updates_the_residual_and_normalizes(dtype, rows):
+    ops = implementations(dtype)
     h, delta, weight = randn(rows, 576, dtype=dtype), randn(rows, 576, dtype=dtype, seed=1), \
         randn(576, dtype=dtype, seed=2)
     outputs, residuals = [], []
@@ -45,7 +45,8 @@ def test_add_rms_norm_updates_the_residual_and_normalizes(ops, dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_turns_q_and_k_in_place_within_the_qkv_rows(ops, dtype):
+def test_rope_turns_q_and_k_in_place_within_the_qkv_rows(dtype):
+    ops = implementations(dtype)
     cos, sin = randn(100, 64, dtype=dtype, seed=1), randn(100, 64, dtype=dtype, seed=2)
     cos, sin = torch.cat([cos[:, :32]] * 2, -1), torch.cat([sin[:, :32]] * 2, -1)  # as tables are
     positions = torch.tensor([0, 7, 99, 3, 3])
@@ -63,6 +64,7 @@ def test_rope_turns_q_and_k_in_place_within_the_qkv_rows(ops, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 20])
-def test_silu_mul_matches_torch_over_a_wide_range(ops, dtype, rows):
+def test_silu_mul_matches_torch_over_a_wide_range(dtype, rows):
+    ops = implementations(dtype)
     gate_up = 8 * randn(rows, 2 * 1539, dtype=dtype)  # not a multiple of 8: the tail too
     assert close(*(impl.silu_mul(gate_up) for impl in ops), dtype)

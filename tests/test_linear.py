@@ -186,7 +186,8 @@ def test_qgemm_without_a_compiler_leaves_torchs_kernel(tmp_path):
     """A host with no C compiler (or a failing one) serves on torch's kernels."""
     script = ("import torch; from workers.scheduler import qgemm, calibrate, fused, paged; "
               "print(qgemm.load() is None, calibrate.qgemm_is_faster(torch.bfloat16, 576, 1536), "
-              "paged.load() is None, type(fused.choose_ops(torch.device('cpu'))).__name__)")
+              "paged.load() is None, "
+              "type(fused.choose_ops(torch.device('cpu'), torch.float32)).__name__)")
     env = {**os.environ, "CC": "/bin/false", "XDG_CACHE_HOME": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=120, check=True)

@@ -94,7 +94,7 @@ class LlamaModel:
         self.layers = [self._layer(get, weights, f"model.layers.{i}.", device)
                        for i in range(spec.num_layers)]
         self.cos, self.sin = rope_tables(spec, device, dtype)
-        self.ops = choose_ops(device)
+        self.ops = choose_ops(device, dtype)
 
     def _layer(self, get, weights: dict, p: str, device: torch.device) -> Layer:
         def linear(names: list[str], bias: bool = False) -> Dense:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -33,6 +34,13 @@ class Packed:
     scale: torch.Tensor | None
     low: torch.Tensor | None
     blocked: bool = False
+    kernel: Callable | None = None  # blocked: the bf16 kernel, bound once for the hot path
+    out_dim: int = 0
+
+
+def _blocked(bits: int, q: torch.Tensor) -> Packed:
+    kernel = getattr(load_bf16(), f"q{bits}_gemm_bf16")
+    return Packed(bits, q, None, None, True, kernel, q.shape[0] * 4)
 
 
 def pack_q4(levels: torch.Tensor, scales_zeros: torch.Tensor, blocked: bool = False) -> Packed:
@@ -47,7 +55,7 @@ def pack_q4(levels: torch.Tensor, scales_zeros: torch.Tensor, blocked: bool = Fa
         pairs = q.reshape(out_dim // 2, 2, groups, 32)
         pairs = (pairs[:, 0] | (pairs[:, 1] << 4)).reshape(out_dim // 4, 2, groups, 32)
         pairs = pairs.transpose(1, 2).reshape(out_dim // 4, groups, 64)
-        return Packed(4, _blocks(pairs, scale, low - 128 * scale), None, None, blocked=True)
+        return _blocked(4, _blocks(pairs, scale, low - 128 * scale))
     q = q.reshape(out_dim, groups, 2, 16)
     return Packed(4, (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous(), scale.contiguous(),
                   low.contiguous())
@@ -60,8 +68,7 @@ def pack_q8(levels: torch.Tensor, scale: torch.Tensor, blocked: bool = False) ->
     scale = scale.reshape(out_dim, in_dim // 32).float()
     if blocked:
         quads = q.reshape(out_dim // 4, 4, in_dim // 32, 32).transpose(1, 2)
-        return Packed(8, _blocks(quads.reshape(out_dim // 4, in_dim // 32, 128), scale), None,
-                      None, blocked=True)
+        return _blocked(8, _blocks(quads.reshape(out_dim // 4, in_dim // 32, 128), scale))
     return Packed(8, q.contiguous(), scale.contiguous(), None)
 
 
@@ -83,15 +90,14 @@ def matmul(x: torch.Tensor, w: Packed) -> torch.Tensor:
     """x [rows, in] (any float dtype) @ w.T -> [rows, out]: a blocked weight takes
     x in bf16 and gives x's dtype if bf16 or fp32 (else fp32); others compute and
     give fp32."""
-    if w.blocked:
-        lib = load_bf16()
+    if w.blocked:  # the hot path of a decode step: ~120 calls each
         dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.float32
-        x = x.to(torch.bfloat16).contiguous()
+        if x.dtype != torch.bfloat16 or not x.is_contiguous():
+            x = x.to(torch.bfloat16).contiguous()
         rows, in_dim = x.shape
-        out = torch.empty(rows, w.q.shape[0] * 4, dtype=dtype)
-        kernel = lib.q4_gemm_bf16 if w.bits == 4 else lib.q8_gemm_bf16
-        kernel(x.data_ptr(), rows, in_dim, w.q.data_ptr(), out.data_ptr(),
-               int(dtype == torch.bfloat16), out.shape[1])
+        out = torch.empty(rows, w.out_dim, dtype=dtype)
+        w.kernel(x.data_ptr(), rows, in_dim, w.q.data_ptr(), out.data_ptr(),
+                 dtype == torch.bfloat16, w.out_dim)
         return out
     lib, x = load(), x.float().contiguous()
     rows, in_dim = x.shape
