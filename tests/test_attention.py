@@ -16,13 +16,14 @@ LAYERS, BLOCKS, BLOCK, HEADS, KV_HEADS, DIM = 2, 40, 16, 9, 3, 64
 
 
 def step(in_place: bool, lengths: list[int], prefill: int = 0, sharpness: float = 1.0,
-         dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+         dtype: torch.dtype = torch.float32, heads: int = HEADS,
+         kv_heads: int = KV_HEADS) -> tuple[torch.Tensor, torch.Tensor]:
     """One step's attention output for decode rows at `lengths` (and one
     prefill chunk of `prefill` new tokens after them), same random inputs;
     `sharpness` scales the queries, so the softmax runs from flat to one-hot.
     Returns it with the KV cache after the step."""
     generator = torch.Generator().manual_seed(0)
-    cache = make_cache("torch", LAYERS, BLOCKS, BLOCK, KV_HEADS, DIM, dtype,
+    cache = make_cache("torch", LAYERS, BLOCKS, BLOCK, kv_heads, DIM, dtype,
                        torch.device("cpu"))  # bf16 for a bf16 model, else fp32
     for tensor in cache.k + cache.v:
         tensor.copy_(torch.randn(tensor.shape, generator=generator))
@@ -35,14 +36,14 @@ def step(in_place: bool, lengths: list[int], prefill: int = 0, sharpness: float 
         seq = Sequence(str(i), [1] * length, length, Sampling(), 0, i)
         plan.chunks.append(Chunk(seq, length - 1, 1) if decode else Chunk(seq, 0, length))
         tables.append([blocks.pop() for _ in range(-(-length // BLOCK))])
-    attention = TorchAttention(cache, HEADS, KV_HEADS, DIM, in_place=in_place)
+    attention = TorchAttention(cache, heads, kv_heads, DIM, in_place=in_place)
     assert attention.in_place == in_place
     attention.prepare(plan, tables, torch.device("cpu"))
     rows = plan.num_tokens
-    q = sharpness * torch.randn(rows, HEADS, DIM, generator=generator)
-    k, v = (torch.randn(rows, KV_HEADS, DIM, generator=generator) for _ in range(2))
+    q = sharpness * torch.randn(rows, heads, DIM, generator=generator)
+    k, v = (torch.randn(rows, kv_heads, DIM, generator=generator) for _ in range(2))
     qkv = torch.cat([q, k, v], dim=1).to(dtype)  # as the model hands them: rows apart
-    q, k, v = qkv.split([HEADS, KV_HEADS, KV_HEADS], dim=1)
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
     with torch.inference_mode():
         out = torch.stack([attention(layer, q, k, v) for layer in range(LAYERS)]).float()
     return out, torch.stack(cache.k + cache.v)
@@ -76,3 +77,15 @@ def test_in_place_step_writes_every_new_key_and_value():
                                                       for in_place in (True, False))
         assert torch.equal(our_cache, their_cache)
         assert (ours - gathered).abs().max().item() < 5e-5
+
+
+@pytest.mark.skipif(paged.load() is None, reason="no AVX2 CPU or no C compiler")
+@pytest.mark.parametrize("heads, kv_heads", [(8, 8), (8, 4), (8, 2), (10, 2)],
+                         ids=["group1", "group2", "group4", "group5"])
+def test_in_place_decode_takes_every_group_size(heads, kv_heads):
+    """Query heads go 3 to a pass over the keys: groups of 1, 2, 4 and 5 leave
+    every remainder."""
+    lengths = [5, 16, 33, 100, 2]
+    (ours, _), (gathered, _) = (step(in_place, lengths, 7, heads=heads, kv_heads=kv_heads)
+                                for in_place in (True, False))
+    assert (ours - gathered).abs().max().item() < 5e-5

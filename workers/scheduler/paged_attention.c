@@ -2,9 +2,9 @@
    per layer [kv_heads, slots, dim], a block of block_size slots holding
    consecutive positions): one query token per sequence, its keys and values read
    in place through the block table, so nothing is gathered. The cache is fp32
-   or (a bf16 model) bf16. Each (sequence, kv
-   head) is one task; its group of query heads shares every key it reads. AVX2
-   and FMA; dim a multiple of 8. It also writes the step's new keys and values,
+   or (a bf16 model) bf16. Each (sequence, kv head) is one task; its group of
+   query heads, up to 3 at a time, shares every key and value it reads. AVX2 and
+   FMA; dim a multiple of 8. It also writes the step's new keys and values,
    which saves torch four ops a layer. */
 
 #include <math.h>
@@ -37,42 +37,83 @@ static inline float dot(const float *q, const void *k, int dim, const int BF16) 
     return _mm256_cvtss_f32(sums8(one));
 }
 
-/* score[p] = scale * q . keys[p] for p < len, 8 keys at a time. */
-static inline __attribute__((always_inline)) void scores(
-        const float *q, const void *const *keys, int len, int dim, float scale, float *score,
-        const int BF16) {
-    int p = 0;
-    for (; p + 8 <= len; p += 8) {
-        __m256 acc[8];
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-        for (int d = 0; d < dim; d += 8) {
-            __m256 qd = _mm256_loadu_ps(q + d);
-            for (int j = 0; j < 8; j++)
-                acc[j] = _mm256_fmadd_ps(qd, load8(keys[p + j], d, BF16), acc[j]);
-        }
-        _mm256_storeu_ps(score + p, _mm256_mul_ps(sums8(acc), _mm256_set1_ps(scale)));
-    }
-    for (; p < len; p++) score[p] = scale * dot(q, keys[p], dim, BF16);
+/* The 4 horizontal sums of a[0..3], in order. */
+static inline __m128 sums4(const __m256 a[4]) {
+    __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
 }
 
-/* out = sum_p weight[p] values[p], 8 dims at a time, 4 positions in flight. */
+/* score[g * len + p] = scale * q[g] . keys[p] for GC query heads at once, so each
+   key is read (and widened from bf16) once for all of them; 4 keys at a time. */
+static inline __attribute__((always_inline)) void scores(
+        const float *q, const void *const *keys, int len, int dim, float scale, float *score,
+        const int BF16, const int GC) {
+    int p = 0;
+    for (; p + 4 <= len; p += 4) {
+        __m256 acc[3][4];
+        #pragma GCC unroll 3
+        for (int g = 0; g < GC; g++)
+            #pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) acc[g][j] = _mm256_setzero_ps();
+        for (int d = 0; d < dim; d += 8) {
+            __m256 k[4];
+            #pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) k[j] = load8(keys[p + j], d, BF16);
+            #pragma GCC unroll 3
+            for (int g = 0; g < GC; g++) {
+                __m256 qd = _mm256_loadu_ps(q + g * dim + d);
+                #pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) acc[g][j] = _mm256_fmadd_ps(qd, k[j], acc[g][j]);
+            }
+        }
+        #pragma GCC unroll 3
+        for (int g = 0; g < GC; g++)
+            _mm_storeu_ps(score + g * len + p, _mm_mul_ps(sums4(acc[g]), _mm_set1_ps(scale)));
+    }
+    for (; p < len; p++)
+        for (int g = 0; g < GC; g++)
+            score[g * len + p] = scale * dot(q + g * dim, keys[p], dim, BF16);
+}
+
+/* out[g] = sum_p weight[g * len + p] values[p] for GC heads at once, 8 dims at a
+   time, 2 positions in flight. */
 static inline __attribute__((always_inline)) void weighted_sum(
         const float *weight, const void *const *values, int len, int dim, float *out,
-        const int BF16) {
+        const int BF16, const int GC) {
     for (int d = 0; d < dim; d += 8) {
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                         _mm256_setzero_ps()};
+        __m256 acc[3][2];
+        #pragma GCC unroll 3
+        for (int g = 0; g < GC; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
         int p = 0;
-        for (; p + 4 <= len; p += 4)
-            for (int j = 0; j < 4; j++)
-                acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(weight[p + j]),
-                                         load8(values[p + j], d, BF16), acc[j]);
-        for (; p < len; p++)
-            acc[0] = _mm256_fmadd_ps(_mm256_set1_ps(weight[p]), load8(values[p], d, BF16),
-                                     acc[0]);
-        _mm256_storeu_ps(out + d, _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]),
-                                                _mm256_add_ps(acc[2], acc[3])));
+        for (; p + 2 <= len; p += 2) {
+            __m256 v0 = load8(values[p], d, BF16), v1 = load8(values[p + 1], d, BF16);
+            #pragma GCC unroll 3
+            for (int g = 0; g < GC; g++) {
+                const float *w = weight + g * len + p;
+                acc[g][0] = _mm256_fmadd_ps(_mm256_set1_ps(w[0]), v0, acc[g][0]);
+                acc[g][1] = _mm256_fmadd_ps(_mm256_set1_ps(w[1]), v1, acc[g][1]);
+            }
+        }
+        for (; p < len; p++) {
+            __m256 v0 = load8(values[p], d, BF16);
+            for (int g = 0; g < GC; g++)
+                acc[g][0] = _mm256_fmadd_ps(_mm256_set1_ps(weight[g * len + p]), v0, acc[g][0]);
+        }
+        #pragma GCC unroll 3
+        for (int g = 0; g < GC; g++)
+            _mm256_storeu_ps(out + g * dim + d, _mm256_add_ps(acc[g][0], acc[g][1]));
     }
+}
+
+static void softmax(float *x, int len);
+
+/* GC query heads (q [GC, dim] fp32) against one kv head: out [GC, dim]. */
+static inline __attribute__((always_inline)) void attend(
+        const float *q, const void *const *keys, const void *const *values, int len, int dim,
+        float scale, float *weight, float *out, const int BF16, const int GC) {
+    scores(q, keys, len, dim, scale, weight, BF16, GC);
+    for (int g = 0; g < GC; g++) softmax(weight + g * len, len);
+    weighted_sum(weight, values, len, dim, out, BF16, GC);
 }
 
 static void softmax(float *x, int len) {
@@ -124,30 +165,33 @@ void paged_decode(const void *q, int64_t q_stride, const void *k, int64_t k_stri
                 const int32_t *table = tables + (int64_t)b * table_width;
                 const void **keys = malloc(sizeof(void *) * 2 * (size_t)len);
                 const void **values = keys + len;
-                float *weight = malloc(sizeof(float) * ((size_t)len + 2 * dim));
-                float *query = weight + len, *result = query + dim;
+                float *weight = malloc(sizeof(float) * (size_t)group * (len + 2 * dim));
+                float *query = weight + (size_t)group * len, *result = query + group * dim;
                 for (int p = 0; p < len; p++) {
                     int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
                     int64_t at = ((int64_t)h * cache_slots + slot) * row_bytes;
                     keys[p] = (const char *)k_cache + at;
                     values[p] = (const char *)v_cache + at;
                 }
-                for (int g = 0; g < group; g++) {
-                    int64_t head = (int64_t)h * group + g;
-                    load_row((const char *)q + width * (b * q_stride + head * dim), bf16,
-                             query, dim);
+                const int64_t head = (int64_t)h * group;
+                for (int g = 0; g < group; g++)
+                    load_row((const char *)q + width * (b * q_stride + (head + g) * dim), bf16,
+                             query + g * dim, dim);
+                for (int g = 0; g < group; g += 3) {  /* up to 3 heads per pass */
+                    const int n = group - g < 3 ? group - g : 3;
+                    const float *qg = query + g * dim;
+                    float *rg = result + g * dim;
+                    #define ATTEND(BF16, GC) attend(qg, keys, values, len, dim, scale, weight, \
+                                                    rg, BF16, GC)
                     if (bf16) {
-                        scores(query, keys, len, dim, scale, weight, 1);
-                        softmax(weight, len);
-                        weighted_sum(weight, values, len, dim, result, 1);
+                        if (n == 3) ATTEND(1, 3); else if (n == 2) ATTEND(1, 2); else ATTEND(1, 1);
                     } else {
-                        scores(query, keys, len, dim, scale, weight, 0);
-                        softmax(weight, len);
-                        weighted_sum(weight, values, len, dim, result, 0);
+                        if (n == 3) ATTEND(0, 3); else if (n == 2) ATTEND(0, 2); else ATTEND(0, 1);
                     }
-                    store_row(result, bf16, (char *)out + width * ((int64_t)b * heads + head) * dim,
-                              dim);
+                    #undef ATTEND
                 }
+                store_row(result, bf16, (char *)out + width * ((int64_t)b * heads + head) * dim,
+                          group * dim);
                 free(keys);
                 free(weight);
             }
