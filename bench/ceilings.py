@@ -1,9 +1,10 @@
 """What this machine's matmuls allow for SmolLM2-135M, with nothing else running:
 peak GFLOP/s per dtype, and the time of one step's projections (30 layers of
 qkv, o, gate_up, down, plus the lm_head) at 1, 16 and 64 rows, weights hot in
-cache: fp32 through MKL and through oneDNN, bf16 (only on a CPU with a bf16
-matmul: elsewhere it is emulated, ~150x slower), 4-bit through torch's kernel
-and through ours (qgemm, where it builds). Any engine step is slower than its
+cache: fp32 through MKL and through oneDNN, bf16 through torch's matmul and
+oneDNN (only on a CPU with a bf16 matmul: elsewhere it is emulated, ~150x
+slower), 4-bit through torch's kernel and through ours (qgemm on fp32
+activations, and on bf16 where the CPU has avx512_bf16). Any engine step is slower than its
 row here. Run: .venv/bin/python bench/ceilings.py [--threads N]"""
 
 from __future__ import annotations
@@ -45,18 +46,21 @@ def step_ms(rows: int, kind: str) -> float:
         weight = torch.randn(out_dim, in_dim, generator=generator) * 0.02
         x = torch.randn(rows, in_dim, generator=generator)
         if kind.startswith("4-bit"):
-            kernels = Kernels(qgemm=kind == "4-bit qgemm")
+            kernels = Kernels(qgemm="qgemm" in kind)
+            dtype = torch.bfloat16 if kind.endswith("bf16") else torch.float32
             if out_dim == VOCAB:  # the lm_head is 8-bit (Q8_0)
                 levels, scale, _ = quantize_int8(weight)
-                layer = Int8(weight, None, torch.float32, levels, scale, kernels)
+                layer = Int8(weight, None, dtype, levels, scale, kernels)
             else:
                 levels, scales_zeros, _ = quantize_int4(weight)
-                layer = Int4(weight, None, torch.float32, levels, scales_zeros, kernels)
+                layer = Int4(weight, None, dtype, levels, scales_zeros, kernels)
             layer.small_batch = rows
-            total += count * best_ms(lambda layer=layer, x=x: layer(x))
-        elif kind == "fp32 onednn":
-            dense = Dense(weight, None, torch.float32, Kernels(onednn=True))
-            total += count * best_ms(lambda dense=dense, x=x: dense(x))
+            xd = x.to(dtype)
+            total += count * best_ms(lambda layer=layer, xd=xd: layer(xd))
+        elif kind.endswith("onednn"):
+            dtype = torch.bfloat16 if kind.startswith("bf16") else torch.float32
+            dense, xd = Dense(weight, None, dtype, Kernels(onednn=True)), x.to(dtype)
+            total += count * best_ms(lambda dense=dense, xd=xd: dense(xd))
         else:
             dtype = torch.float32 if kind == "fp32" else torch.bfloat16
             w, xd = weight.t().contiguous().to(dtype), x.to(dtype)
@@ -76,8 +80,9 @@ def main() -> None:
         peak = peak_gflops(dtype)
         print(f"peak {str(dtype)[6:]:>8}: {peak:6.0f} GFLOP/s -> 64 rows of projections "
               f"in >= {64 * 2 * PARAMS / peak / 1e6:.0f} ms")
-    kinds = ["fp32", "fp32 onednn", *(["bf16"] if bf16 else []), "4-bit torch",
-             *(["4-bit qgemm"] if qgemm.load() is not None else [])]
+    kinds = ["fp32", "fp32 onednn", *(["bf16", "bf16 onednn"] if bf16 else []), "4-bit torch",
+             *(["4-bit qgemm"] if qgemm.load() is not None else []),
+             *(["4-bit qgemm bf16"] if qgemm.load_bf16() is not None else [])]
     with torch.inference_mode():
         for rows in (1, 16, 64):
             line = ", ".join(f"{kind} {step_ms(rows, kind):6.1f} ms" for kind in kinds)
