@@ -11,10 +11,9 @@
    the bf16 of 128 + q by or-ing its exponent in (no shuffle): the minimums are
    stored less 128 scales to match. y is fp32, or bf16 rounded to nearest even. */
 
-#include <immintrin.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "kernels.h"
 
 enum { Q4_BLOCK = 2 * 32 + 32, Q8_BLOCK = 4 * 32 + 16 };
 #ifndef PREFETCH
@@ -32,20 +31,6 @@ static inline __m512i levels8(const uint8_t *q) {
     __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
     __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
     return (__m512i)_mm512_cvtne2ps_pbh(high, low);
-}
-
-static inline float to_float(uint16_t half) {
-    uint32_t bits = (uint32_t)half << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-/* round to nearest even */
-static inline uint16_t to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
 /* Outputs n..n+3 by R rows from m; `w` is their block; y bf16 if `bf16_out`. */
@@ -102,7 +87,7 @@ static inline __attribute__((always_inline)) void tile(
             float total = _mm512_reduce_add_ps(acc[b][r]) + low[b];
             int64_t at = (int64_t)(m + r) * N + n + b;
             if (bf16_out)
-                ((uint16_t *)y)[at] = to_bf16(total);
+                ((uint16_t *)y)[at] = float_to_bf16(total);
             else
                 ((float *)y)[at] = total;
         }
@@ -118,7 +103,7 @@ void NAME(const uint16_t *x, int M, int K, const uint8_t *w, void *y, int bf16_o
     float *sums = malloc(sizeof(float) * (size_t)M * G);  /* x per row and group */     \
     for (int64_t i = 0; i < (int64_t)M * G; i++) {                                      \
         float s = 0.0f;                                                                 \
-        for (int j = 0; j < 32; j++) s += to_float(x[i * 32 + j]);                      \
+        for (int j = 0; j < 32; j++) s += bf16_to_float(x[i * 32 + j]);                 \
         sums[i] = s;                                                                    \
     }                                                                                   \
     _Pragma("omp parallel for schedule(static)")                                        \
