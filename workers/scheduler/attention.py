@@ -77,6 +77,7 @@ class TorchAttention:
         can = (cache.dtype in (torch.float32, torch.bfloat16) and cache.k[0].device.type == "cpu"
                and paged.load() is not None)
         self.in_place = can if in_place is None else in_place and can
+        self.kernel = paged.InPlace(cache.k, cache.v) if self.in_place else None
 
     def prepare(self, plan: StepPlan, tables: list[list[int]], device: torch.device) -> None:
         """Per-step metadata, computed once and shared by every layer."""
@@ -96,6 +97,8 @@ class TorchAttention:
             first += chunk.num_tokens
         self.meta = TorchMeta(slots, num_decode, decode_slots, decode_bias, prefills,
                               decode_tables, decode_lengths, plan.block_size)
+        if self.in_place:
+            self.kernel.prepare(slots, decode_tables, decode_lengths, plan.block_size)
 
     @staticmethod
     def _decode_tables(plan: StepPlan, tables: list[list[int]],
@@ -143,9 +146,8 @@ class TorchAttention:
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype,
                           device=q.device)
-        if meta.decode_tables is not None:  # writes k, v and decodes in one call
-            paged.step(q, k, v, meta.slots, k_cache, v_cache, meta.decode_tables,
-                       meta.decode_lengths, meta.block_size, self.scale, out)
+        if self.in_place:  # writes k, v and decodes in one call
+            self.kernel(layer, q, k, v, self.scale, out)
         else:
             k_cache.index_copy_(1, meta.slots, k.transpose(0, 1).to(self.cache.dtype))
             v_cache.index_copy_(1, meta.slots, v.transpose(0, 1).to(self.cache.dtype))

@@ -34,28 +34,47 @@ def build() -> Path:
 
 def rows_of(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x [rows, heads, dim] in `dtype` with heads and dims packed (rows may be apart)."""
-    x = x.to(dtype)
+    if x.dtype != dtype:
+        x = x.to(dtype)
     return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
-def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-         k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-         lengths: torch.Tensor, block_size: int, scale: float, out: torch.Tensor) -> None:
-    """One layer: k and v [rows, kv_heads, dim] of every token written to `slots`
-    of the caches [kv_heads, slots, dim], then the first len(lengths) rows of
-    q [rows, heads, dim] attended through `tables` (int32 [batch, width]) into
-    out [rows, heads * dim]. The kernel reads and writes the caches' dtype, bf16
-    or fp32 (other outputs through a copy)."""
-    if out.dtype != k_cache.dtype:
-        staged = torch.empty(out.shape, dtype=k_cache.dtype)
-        step(q, k, v, slots, k_cache, v_cache, tables, lengths, block_size, scale, staged)
-        out[:len(lengths)] = staged[:len(lengths)]
-        return
-    dtype = out.dtype
-    q, k, v = rows_of(q, dtype), rows_of(k, dtype), rows_of(v, dtype)
-    kv_heads, cache_slots, dim = k_cache.shape
-    load().paged_decode(
-        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-        int(dtype == torch.bfloat16), q.shape[0], slots.data_ptr(), len(lengths), q.shape[1],
-        kv_heads, dim, k_cache.data_ptr(), v_cache.data_ptr(), cache_slots, tables.data_ptr(),
-        tables.shape[1], lengths.data_ptr(), block_size, scale, out.data_ptr())
+class InPlace:
+    """The kernel bound to one KV cache ([kv_heads, slots, dim] a layer, bf16 or
+    fp32): the caches' pointers are taken once, a step's tables once a step, so
+    each layer's call does little in Python (30 of them a step)."""
+
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
+        self.kernel = load().paged_decode
+        self.k, self.v = [t.data_ptr() for t in k_caches], [t.data_ptr() for t in v_caches]
+        self.kv_heads, self.slots, self.dim = k_caches[0].shape
+        self.dtype = k_caches[0].dtype
+        self.step_tensors: tuple = ()
+        self.step_args: tuple = ()
+
+    def prepare(self, slots: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+                block_size: int) -> None:
+        """slots int64 [rows] of every new token; tables int32 [batch, width] and
+        lengths int32 [batch] of the decodes (the first `batch` rows)."""
+        self.step_tensors = (slots, tables, lengths)  # alive while the kernel reads them
+        self.step_args = (slots.data_ptr(), len(lengths), tables.data_ptr(), tables.shape[1],
+                          lengths.data_ptr(), block_size)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float, out: torch.Tensor) -> None:
+        """k and v [rows, kv_heads, dim] of every token written to their slots,
+        then the decodes' rows of q [rows, heads, dim] attended into out
+        [rows, heads * dim]. Outputs in another dtype than the cache's go
+        through a copy."""
+        if out.dtype != self.dtype:
+            staged = torch.empty(out.shape, dtype=self.dtype)
+            self(layer, q, k, v, scale, staged)
+            batch = self.step_args[1]
+            out[:batch] = staged[:batch]
+            return
+        q, k, v = rows_of(q, self.dtype), rows_of(k, self.dtype), rows_of(v, self.dtype)
+        slots, batch, tables, width, lengths, block_size = self.step_args
+        self.kernel(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+                    v.stride(0), self.dtype == torch.bfloat16, q.shape[0], slots, batch,
+                    q.shape[1], self.kv_heads, self.dim, self.k[layer], self.v[layer],
+                    self.slots, tables, width, lengths, block_size, scale, out.data_ptr())

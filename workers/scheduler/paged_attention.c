@@ -146,7 +146,8 @@ void paged_decode(const void *q, int64_t q_stride, const void *k, int64_t k_stri
                   const int32_t *lengths, int block_size, float scale, void *out) {
     const int group = heads / kv_heads, width = bf16 ? 2 : 4;
     const size_t row_bytes = (size_t)width * dim;
-    #pragma omp parallel
+    /* one decode's few heads cost less than waking the second thread */
+    #pragma omp parallel if (batch * kv_heads > 4 || rows > 64)
     {
         #pragma omp for collapse(2) schedule(static)
         for (int t = 0; t < rows; t++)
