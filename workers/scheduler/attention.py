@@ -57,9 +57,6 @@ class TorchMeta:
     decode_slots: torch.Tensor | None  # [num_decode, max_len]
     decode_bias: torch.Tensor | None  # [num_decode * kv_heads, group, max_len]: 0 or -inf
     prefills: list[PrefillPart]
-    decode_tables: torch.Tensor | None = None  # in place: int32 [num_decode, blocks]
-    decode_lengths: torch.Tensor | None = None  # int32 [num_decode]
-    block_size: int = 0
 
 
 class TorchAttention:
@@ -85,9 +82,10 @@ class TorchAttention:
         # the leading one-token chunks (decodes) attend as one batch
         num_decode = next((i for i, c in enumerate(plan.chunks) if c.num_tokens != 1),
                           len(plan.chunks))
-        decode_slots = decode_bias = decode_tables = decode_lengths = None
-        if self.in_place:
-            decode_tables, decode_lengths = self._decode_tables(plan, tables, num_decode)
+        decode_slots = decode_bias = None
+        if self.in_place:  # the kernel's own per-step arguments
+            self.kernel.prepare(slots, *self._decode_tables(plan, tables, num_decode),
+                                plan.block_size)
         elif num_decode:
             decode_slots, decode_bias = self._decode_gather(plan, tables, num_decode, device)
         prefills, first = [], num_decode
@@ -95,10 +93,7 @@ class TorchAttention:
             prefills.append(self._prefill_part(plan.block_size, chunk.start, chunk.num_tokens,
                                                table, first, device))
             first += chunk.num_tokens
-        self.meta = TorchMeta(slots, num_decode, decode_slots, decode_bias, prefills,
-                              decode_tables, decode_lengths, plan.block_size)
-        if self.in_place:
-            self.kernel.prepare(slots, decode_tables, decode_lengths, plan.block_size)
+        self.meta = TorchMeta(slots, num_decode, decode_slots, decode_bias, prefills)
 
     @staticmethod
     def _decode_tables(plan: StepPlan, tables: list[list[int]],

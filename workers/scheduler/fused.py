@@ -71,17 +71,10 @@ class NativeOps(TorchOps):
 
 @cache
 def load() -> ctypes.CDLL | None:
-    lib = native.load(SOURCE)
-    if lib is None:
-        return None
-    pointer, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.add_rms_norm.argtypes = [pointer, pointer, pointer, pointer, i32, i32, ctypes.c_float,
-                                 i32]
-    lib.rope.argtypes = [pointer, i64, i32, i32, i32, pointer, pointer, pointer, i32]
-    lib.silu_mul.argtypes = [pointer, pointer, i32, i32, i32]
-    for kernel in (lib.add_rms_norm, lib.rope, lib.silu_mul):
-        kernel.restype = None
-    return lib
+    P, I32, I64, F32 = native.P, native.I32, native.I64, native.F32
+    return native.load(SOURCE, {"add_rms_norm": [P, P, P, P, I32, I32, F32, I32],
+                                "rope": [P, I64, I32, I32, I32, P, P, P, I32],
+                                "silu_mul": [P, P, I32, I32, I32]})
 
 
 def build() -> Path:

@@ -4,7 +4,8 @@
 # scale and a minimum: GGUF's Q4_1 layout) that small batches read instead. A
 # decode step of a few rows is bound by reading weights, and 4 bits are a
 # quarter of bf16's bytes; a big batch is bound by compute, where the dense
-# matmul wins. The 4-bit matmul is torch's kernel or our AVX2 one (qgemm).
+# matmul wins. The 4-bit matmul is torch's kernel or ours (qgemm.py: AVX2 on
+# fp32 activations, AVX-512 bf16 on bf16 ones).
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-# Our C kernels (qgemm.c, paged_attention.c), compiled once per source version
-# into the user's cache with the system C compiler and loaded through ctypes.
+# Our C kernels (workers/scheduler/*.c), compiled once per source version into
+# the user's cache with the system C compiler and loaded through ctypes.
 # They link torch's own OpenMP runtime, so they share its thread pool. Where
 # there is no compiler or no AVX2 and FMA, `load` says None and the caller
 # keeps torch's ops.
@@ -19,6 +19,7 @@ from pathlib import Path
 from pipeline.models import default_cache_dir
 
 log = logging.getLogger(__name__)
+P, I32, I64, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float  # for signatures
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -29,16 +30,22 @@ def cpu_flags() -> set[str]:
         return set()
 
 
-def load(source: Path, flags: tuple[str, ...] = (),
+def load(source: Path, signatures: dict[str, list], flags: tuple[str, ...] = (),
          needs: frozenset[str] = frozenset({"avx2", "fma"})) -> ctypes.CDLL | None:
-    """`flags` beyond FLAGS; `needs`: the CPU flags the kernel's code takes."""
+    """The library with each function of `signatures` (name: argument types;
+    they return nothing) declared; `flags` beyond FLAGS; `needs`: the CPU flags
+    the kernel's code takes."""
     if platform.machine() not in ("x86_64", "AMD64") or not needs <= cpu_flags():
         return None
     try:
-        return ctypes.CDLL(str(build(source, flags)))
+        lib = ctypes.CDLL(str(build(source, flags)))
     except (OSError, subprocess.SubprocessError) as error:
         log.warning("no %s kernel (%s): torch's own ops instead", source.stem, error)
         return None
+    for name, argtypes in signatures.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, None
+    return lib
 
 
 def build(source: Path, flags: tuple[str, ...] = ()) -> Path:

@@ -17,15 +17,10 @@ SOURCE = Path(__file__).with_name("paged_attention.c")
 
 @cache
 def load() -> ctypes.CDLL | None:
-    lib = native.load(SOURCE)
-    if lib is None:
-        return None
-    pointer, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.paged_decode.argtypes = [pointer, i64, pointer, i64, pointer, i64, i32, i32, pointer,
-                                 i32, i32, i32, i32, pointer, pointer, i64, pointer, i32,
-                                 pointer, i32, ctypes.c_float, pointer]
-    lib.paged_decode.restype = None
-    return lib
+    P, I32, I64 = native.P, native.I32, native.I64
+    return native.load(SOURCE, {"paged_decode": [
+        P, I64, P, I64, P, I64, I32, I32, P, I32, I32, I32, I32, P, P, I64, P, I32, P, I32,
+        native.F32, P]})
 
 
 def build() -> Path:

@@ -110,7 +110,9 @@ def matmul(x: torch.Tensor, w: Packed) -> torch.Tensor:
 
 @cache
 def load() -> ctypes.CDLL | None:
-    return _declare(native.load(SOURCE), None, "q4_gemm", "q8_gemm")
+    P, I32 = native.P, native.I32
+    fp32 = [P, I32, I32, P, P, P, P, I32]  # x, rows, in, q, scale, low, y, out
+    return native.load(SOURCE, {"q4_gemm": fp32, "q8_gemm": fp32})
 
 
 @cache
@@ -118,22 +120,10 @@ def load_bf16() -> ctypes.CDLL | None:
     """The kernels for bf16 activations, where the CPU has avx512_bf16."""
     if load() is None:  # the fp32 ones serve everything else
         return None
-    lib = native.load(SOURCE_BF16, FLAGS_BF16, NEEDS_BF16)
-    pointer, i32 = ctypes.c_void_p, ctypes.c_int
-    return _declare(lib, [pointer, i32, i32, pointer, pointer, i32, i32], "q4_gemm_bf16",
-                    "q8_gemm_bf16")
-
-
-def _declare(lib: ctypes.CDLL | None, argtypes: list | None = None,
-             *names: str) -> ctypes.CDLL | None:
-    if lib is None:
-        return None
-    pointer, i32 = ctypes.c_void_p, ctypes.c_int
-    for name in names:
-        kernel = getattr(lib, name)
-        kernel.argtypes = argtypes or [pointer, i32, i32, pointer, pointer, pointer, pointer, i32]
-        kernel.restype = None
-    return lib
+    P, I32 = native.P, native.I32
+    bf16 = [P, I32, I32, P, P, I32, I32]  # x, rows, in, blocked weight, y, y is bf16, out
+    return native.load(SOURCE_BF16, {"q4_gemm_bf16": bf16, "q8_gemm_bf16": bf16}, FLAGS_BF16,
+                       NEEDS_BF16)
 
 
 def build() -> Path:
