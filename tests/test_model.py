@@ -22,13 +22,17 @@ from workers.scheduler.sequence import Sequence
 BLOCK = 16
 
 
-def all_logits(model: LlamaModel, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """Logits at every position of every prompt, all prompts in one forward."""
+def fresh_cache(model: LlamaModel) -> tuple[BlockAllocator, TorchAttention]:
     spec = model.spec
-    allocator = BlockAllocator(64, BLOCK)
     cache = make_cache("torch", spec.num_layers, 64, BLOCK, spec.num_kv_heads, spec.head_dim,
                        model.dtype, torch.device("cpu"))
-    attention = TorchAttention(cache, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    return (BlockAllocator(64, BLOCK),
+            TorchAttention(cache, spec.num_heads, spec.num_kv_heads, spec.head_dim))
+
+
+def all_logits(model: LlamaModel, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Logits at every position of every prompt, all prompts in one forward."""
+    allocator, attention = fresh_cache(model)
     plan = StepPlan(block_size=BLOCK)
     for i, ids in enumerate(prompts):
         seq = Sequence(str(i), ids, len(ids), Sampling(), 0, i)
@@ -45,11 +49,7 @@ def all_logits(model: LlamaModel, prompts: list[list[int]]) -> list[torch.Tensor
 def decode_logits(model: LlamaModel, prompt: list[int]) -> torch.Tensor:
     """Logits at every position of one prompt fed a token a step, as decoding
     runs: one row per forward, attending to the cache."""
-    spec = model.spec
-    allocator = BlockAllocator(64, BLOCK)
-    cache = make_cache("torch", spec.num_layers, 64, BLOCK, spec.num_kv_heads, spec.head_dim,
-                       model.dtype, torch.device("cpu"))
-    attention = TorchAttention(cache, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    allocator, attention = fresh_cache(model)
     seq = Sequence("0", prompt, len(prompt), Sampling(), 0, 0)
     allocator.allocate(seq.request_id, prompt)
     rows = []
@@ -94,6 +94,13 @@ def load(path, dtype: torch.dtype, kernels: Kernels = PLAIN,
                            kernels)
 
 
+def load_with(path, dtype: torch.dtype, kernels: Kernels, quantization: str) -> LlamaModel:
+    """The model on a choice of kernels, or a skip where qgemm cannot run here."""
+    if kernels.qgemm and qgemm.load() is None:
+        pytest.skip("no AVX2 CPU or no C compiler")
+    return load(path, dtype, kernels, quantization)
+
+
 FP32_KERNELS = {
     "torch": (PLAIN, "none"), "onednn": (Kernels(onednn=True), "none"),
     # the checkpoint's own 4- and 8-bit weights, exact, with fp32 activations
@@ -102,10 +109,7 @@ FP32_KERNELS = {
 
 @pytest.mark.parametrize("name", FP32_KERNELS)
 def test_fp32_logits_match_transformers_llama(model_files, hf_smollm, prompts, name):
-    kernels, quantization = FP32_KERNELS[name]
-    if kernels.qgemm and qgemm.load() is None:
-        pytest.skip("no AVX2 CPU or no C compiler")
-    model = load(model_files.path, torch.float32, kernels, quantization)
+    model = load_with(model_files.path, torch.float32, *FP32_KERNELS[name])
     ours = all_logits(model, prompts) + [decode_logits(model, prompts[0])]
     references = reference_logits(hf_smollm, prompts + prompts[:1])
     for mine, theirs in zip(ours, references, strict=True):
@@ -122,11 +126,8 @@ BF16_KERNELS = {
 
 @pytest.mark.parametrize("name", BF16_KERNELS)
 def test_bf16_logits_stay_close_to_transformers_fp32(model_files, hf_smollm, prompts, name):
-    kernels, quantization = BF16_KERNELS[name]
-    if kernels.qgemm and qgemm.load() is None:
-        pytest.skip("no AVX2 CPU or no C compiler")
     chats = prompts[:len(TEXTS)]
-    model = load(model_files.path, torch.bfloat16, kernels, quantization)
+    model = load_with(model_files.path, torch.bfloat16, *BF16_KERNELS[name])
     # prompts in one forward, and token by token as decoding runs (the decode
     # attention, and the 4-bit paths, take only a few rows)
     ours = all_logits(model, chats) + [decode_logits(model, chat) for chat in chats]
