@@ -73,7 +73,7 @@ def main() -> None:
     engine = Engine(path, SchedulerConfig(dtype=args.dtype, max_running_requests=64))
     hf = None if args.skip_hf else AutoModelForCausalLM.from_pretrained(
         path, dtype=getattr(torch, args.hf_dtype))
-    print(f"engine dtype {engine.dtype}, transformers dtype {args.hf_dtype}, "
+    print(f"engine dtype {engine.dtype}, {engine.kernels}, transformers dtype {args.hf_dtype}, "
           f"threads {torch.get_num_threads()}, {args.num_new} new tokens")
     run_engine(engine, make_prompts(tokenizer, 4), 8)  # warm up
     for batch in (int(b) for b in args.batches.split(",")):
