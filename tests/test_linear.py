@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from pipeline.errors import ConfigError
-from workers.scheduler import qgemm
+from workers.scheduler import qgemm, qgemm_amx
 from workers.scheduler.engine import resolve_dtype, resolve_quantization
 from workers.scheduler.linear import (
     PLAIN,
@@ -154,6 +154,31 @@ def test_qgemm_bf16_is_exact_on_bf16_activations(checkpoint):
     assert relative_error(linear(x).float(), x.float() @ down.float().t()) < 1e-2
 
 
+@pytest.mark.skipif(qgemm_amx.load() is None, reason="no AMX CPU or no C compiler")
+def test_qgemm_amx_computes_on_the_dense_bf16_weight(checkpoint):
+    """The AMX tiles: fp32 sums of bf16 activations times the weight rounded to
+    bf16 (the dense bf16 path's), for 1 to 4 row blocks of 16, full or not, and
+    more than one pass of 64 rows."""
+    generator = torch.Generator().manual_seed(0)
+    down = checkpoint["model.layers.7.mlp.down_proj.weight"]
+    embed = checkpoint["model.embed_tokens.weight"][:1024]
+    for weight, kind in ((down, Int4), (embed, Int8)):  # Q4_1, Q8_0
+        linear = make_linear(weight, None, torch.bfloat16, "lossless", Kernels(amx=True))
+        assert type(linear) is kind and linear.tiled is not None and linear.small_batch == 64
+        dense = weight.bfloat16().float().t()
+        for rows in (1, 5, 16, 17, 40, 64, 100):
+            x = torch.randn(rows, weight.shape[1], generator=generator).bfloat16()
+            out = qgemm_amx.matmul(x.float(), linear.tiled)
+            assert out.shape == (rows, weight.shape[0]) and out.dtype == torch.float32
+            # a weight may round to the neighbouring bf16 (fp32 fma against the
+            # checkpoint's two roundings): far below bf16 activations' own error
+            assert relative_error(out, x.float() @ dense) < 1e-4
+            rounded = qgemm_amx.matmul(x, linear.tiled)  # bf16 in, bf16 out
+            assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, out.bfloat16())
+        x = torch.randn(64, weight.shape[1], generator=generator).bfloat16()
+        assert relative_error(linear(x), x.float() @ dense) < 1e-2  # through Int4/Int8
+
+
 @needs_qgemm
 def test_qgemm_kernels_serve_small_batches_in_fp32(checkpoint):
     generator = torch.Generator().manual_seed(0)
@@ -184,14 +209,14 @@ def test_quantization_modes_resolve_by_device_and_dtype():
 
 def test_qgemm_without_a_compiler_leaves_torchs_kernel(tmp_path):
     """A host with no C compiler (or a failing one) serves on torch's kernels."""
-    script = ("import torch; from workers.scheduler import qgemm, calibrate, fused, paged; "
-              "print(qgemm.load() is None, calibrate.qgemm_is_faster(torch.bfloat16, 576, 1536), "
-              "paged.load() is None, "
+    script = ("import torch; from workers.scheduler import qgemm, qgemm_amx, calibrate, fused, "
+              "paged; print(qgemm.load() is None, calibrate.qgemm_is_faster(torch.bfloat16, 576, "
+              "1536), paged.load() is None, qgemm_amx.load() is None, "
               "type(fused.choose_ops(torch.device('cpu'), torch.float32)).__name__)")
     env = {**os.environ, "CC": "/bin/false", "XDG_CACHE_HOME": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=120, check=True)
-    assert done.stdout.split() == ["True", "False", "True", "TorchOps"]
+    assert done.stdout.split() == ["True", "False", "True", "True", "TorchOps"]
     assert not list(tmp_path.rglob("*.so"))  # no half-written library left behind
 
 

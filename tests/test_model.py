@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen3Config
 
 from pipeline.messages import Sampling
-from workers.scheduler import qgemm
+from workers.scheduler import qgemm, qgemm_amx
 from workers.scheduler.attention import TorchAttention, make_cache
 from workers.scheduler.batcher import Chunk, StepPlan
 from workers.scheduler.blocks import BlockAllocator
@@ -98,6 +98,8 @@ def load_with(path, dtype: torch.dtype, kernels: Kernels, quantization: str) -> 
     """The model on a choice of kernels, or a skip where qgemm cannot run here."""
     if kernels.qgemm and qgemm.load() is None:
         pytest.skip("no AVX2 CPU or no C compiler")
+    if kernels.amx and qgemm_amx.load() is None:
+        pytest.skip("no AMX CPU or no C compiler")
     return load(path, dtype, kernels, quantization)
 
 
@@ -121,7 +123,8 @@ BF16_KERNELS = {
     # the checkpoint's own 4- and 8-bit weights, which the one-row decode steps
     # run on: torch's kernel, or qgemm (its bf16 kernels where the CPU has them)
     "torch-4bit": (Kernels(onednn=True), "lossless"),
-    "qgemm": (Kernels(onednn=True, qgemm=True), "lossless")}
+    "qgemm": (Kernels(onednn=True, qgemm=True), "lossless"),
+    "amx": (Kernels(onednn=True, amx=True), "lossless")}  # Intel AMX tiles, up to 64 rows
 
 
 @pytest.mark.parametrize("name", BF16_KERNELS)

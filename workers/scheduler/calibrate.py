@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from workers.scheduler import qgemm
+from workers.scheduler import qgemm, qgemm_amx
 from workers.scheduler.linear import Dense, Int4, Int8, Kernels, quantize_int4, quantize_int8
 from workers.scheduler.native import cpu_flags
 
@@ -89,5 +89,8 @@ def choose_kernels(device: torch.device, dtype: torch.dtype, spec,
         return Kernels()
     shape = (spec.hidden_size, 2 * spec.intermediate_size)  # gate_up: the largest per layer
     onednn = torch.backends.mkldnn.is_available() and onednn_is_faster(dtype, *shape)
+    if quantized and dtype == torch.bfloat16 and qgemm_amx.load() is not None:
+        # Intel AMX: 0.34-0.69x oneDNN's time from 1 to 64 rows (linear.Kernels)
+        return Kernels(onednn=onednn, amx=True)
     return Kernels(onednn=onednn,
                    qgemm=quantized and qgemm_is_faster(dtype, *shape, spec.vocab_size))

@@ -9,11 +9,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from workers.scheduler import qgemm
+from workers.scheduler import qgemm, qgemm_amx
 
 GROUP = 32
 LOSSLESS = 1e-3  # of a group's scale: the weight was 4- or 8-bit to begin with
@@ -24,6 +24,7 @@ class Kernels:
     """Which matmuls run; the engine times the candidates on the host at hand."""
     onednn: bool = False  # dense through oneDNN on a packed weight rather than torch's matmul
     qgemm: bool = False  # 4- and 8-bit through qgemm.c rather than torch's kernel
+    amx: bool = False  # 4- and 8-bit on bf16 activations through qgemm_amx.c
 
     def small_batch(self, dtype: torch.dtype) -> int:
         """Rows up to which the 4-bit path beats the dense matmul, measured as
@@ -37,7 +38,12 @@ class Kernels:
         - qgemm beside oneDNN fp32 (same host): 40 (its step time 0.72x oneDNN's
           at 8 and 16 rows, 0.85x at 24, 0.91x at 32, 1.01x at 48, 1.09x at 64).
         - qgemm_bf16.c beside oneDNN bf16 (Zen 5): 12 (0.98x at 12 rows, 1.15x at
-          16; against torch's 4-bit kernel 0.89x at 1 row, 0.84x at 4, 0.79x at 8)."""
+          16; against torch's 4-bit kernel 0.89x at 1 row, 0.84x at 4, 0.79x at 8).
+        - qgemm_amx.c beside oneDNN bf16 (Intel Xeon with AMX): 64, one pass of
+          its tiles (all 30 layers' weights, streamed: 0.34x oneDNN's time at 1
+          row, 0.46x at 16, 0.55x at 32, 0.69x at 64; two passes at 128 rows: 1.06x)."""
+        if self.amx and dtype == torch.bfloat16:
+            return 64
         if self.qgemm:
             return 40 if dtype == torch.float32 else 12
         if self.onednn:
@@ -89,14 +95,21 @@ class Int4(Dense):
                  levels: torch.Tensor, scales_zeros: torch.Tensor,
                  kernels: Kernels = PLAIN):
         super().__init__(weight, bias, dtype, kernels)
+        self.qgemm = self.tiled = None
+        kernels = replace(kernels, amx=uses_amx(kernels, dtype, weight))
         self.small_batch = kernels.small_batch(dtype)
-        self.qgemm = (qgemm.pack_q4(levels, scales_zeros, qgemm.blocked_for(dtype))
-                      if kernels.qgemm else None)
-        if self.qgemm is None:
+        if kernels.amx:
+            scale, zero = scales_zeros[..., 0].t(), scales_zeros[..., 1].t()
+            self.tiled = qgemm_amx.pack_q4(levels, scale, zero - 8 * scale)
+        elif kernels.qgemm:
+            self.qgemm = qgemm.pack_q4(levels, scales_zeros, qgemm.blocked_for(dtype))
+        else:
             self.packed = torch._convert_weight_to_int4pack_for_cpu(levels, 2)
             self.scales_zeros = scales_zeros.to(torch.bfloat16)
 
     def small(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiled is not None:
+            return qgemm_amx.matmul(x, self.tiled)
         if self.qgemm is not None:
             return qgemm.matmul(x, self.qgemm)
         return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP,
@@ -112,10 +125,14 @@ class Int8(Dense):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  levels: torch.Tensor, scale: torch.Tensor, kernels: Kernels = PLAIN):
         super().__init__(weight, bias, dtype, kernels)
+        self.qgemm = self.tiled = None
+        kernels = replace(kernels, amx=uses_amx(kernels, dtype, weight))
         self.small_batch = kernels.small_batch(dtype)
-        self.qgemm = (qgemm.pack_q8(levels, scale, qgemm.blocked_for(dtype))
-                      if kernels.qgemm else None)
-        if self.qgemm is not None:
+        if kernels.amx:
+            self.tiled = qgemm_amx.pack_q8(levels, scale.reshape(levels.shape[0], -1))
+            return
+        if kernels.qgemm:
+            self.qgemm = qgemm.pack_q8(levels, scale, qgemm.blocked_for(dtype))
             return
         unsigned = levels + 128
         self.high = torch._convert_weight_to_int4pack_for_cpu(unsigned >> 4, 2)
@@ -127,11 +144,18 @@ class Int8(Dense):
             torch.bfloat16)
 
     def small(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiled is not None:
+            return qgemm_amx.matmul(x, self.tiled)
         if self.qgemm is not None:
             return qgemm.matmul(x, self.qgemm)
         x = x.to(torch.bfloat16)
         return (torch._weight_int4pack_mm_for_cpu(x, self.high, GROUP, self.high_sz)
                 + torch._weight_int4pack_mm_for_cpu(x, self.low, GROUP, self.low_sz))
+
+
+def uses_amx(kernels: Kernels, dtype: torch.dtype, weight: torch.Tensor) -> bool:
+    return (kernels.amx and dtype == torch.bfloat16
+            and qgemm_amx.fits(*weight.shape) and qgemm_amx.load() is not None)
 
 
 def on_grid(exact: torch.Tensor, low: int, high: int) -> tuple[torch.Tensor, float]:

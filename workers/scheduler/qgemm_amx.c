@@ -1,0 +1,156 @@
+// 4- and 8-bit weight-only matmul on Intel AMX: y[rows, out] = x[rows, in] @ w.T,
+// x in bf16. Each 16 outputs x 32 inputs of the weight (one group: one scale,
+// and for 4 bits one minimum, per output) are dequantized to bf16 in L1, as
+// bf16(level * scale + minimum) in fp32 and rounded to nearest even: the very
+// weights the dense bf16 path holds. One tile product then takes up to 16 rows
+// of x against them; up to 4 row blocks (64 rows) share one dequantization.
+//
+// Weight layout, per block of 16 outputs and group g (see qgemm_amx.py): 16
+// tile rows, one per pair of inputs (2r, 2r + 1); lane L of a row is output
+// L / 2, input 2r + L % 2 (AMX's pairs-of-k layout). 8 bits: the 32 lanes as
+// int8. 4 bits: 16 bytes, byte j holding lane j (low nibble) and lane 16 + j
+// (high nibble). Scales and minimums: fp32 [out / 16, groups, 16].
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+// *ok = 1 where Linux lets this process use the tile registers.
+void amx_init(int *ok) {
+    *ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+// Tiles 0-3: the fp32 sums of row blocks; 4: a full block of x; 5: the last
+// block of x (`last` rows); 6: the dequantized weights.
+static void configure(int blocks, int last) {
+    tile_config c = {0};
+    c.palette = 1;
+    for (int i = 0; i < 4; i++) {  // the unused ones too: all four are zeroed
+        c.rows[i] = i == blocks - 1 ? last : 16;
+        c.colsb[i] = 64;
+    }
+    c.rows[4] = 16, c.colsb[4] = 64;
+    c.rows[5] = last, c.colsb[5] = 64;
+    c.rows[6] = 16, c.colsb[6] = 64;
+    _tile_loadconfig(&c);
+}
+
+// One group's 16 x 32 weights as bf16 tile rows into `dst` (1 KB).
+static inline void dequantize(const uint8_t *q, const float *scale, const float *low,
+                              int bits, uint16_t *dst) {
+    const __m512i lo_lanes = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi_lanes = _mm512_add_epi32(lo_lanes, _mm512_set1_epi32(8));
+    __m512 s = _mm512_loadu_ps(scale);
+    __m512 s_lo = _mm512_permutexvar_ps(lo_lanes, s), s_hi = _mm512_permutexvar_ps(hi_lanes, s);
+    if (bits == 4) {
+        __m512 m = _mm512_loadu_ps(low);
+        __m512 m_lo = _mm512_permutexvar_ps(lo_lanes, m);
+        __m512 m_hi = _mm512_permutexvar_ps(hi_lanes, m);
+        const __m512i nibble = _mm512_set1_epi32(15);
+        for (int r = 0; r < 16; r++) {
+            __m512i t = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * r)));
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(t, nibble));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(t, 4));
+            lo = _mm512_fmadd_ps(lo, s_lo, m_lo);
+            hi = _mm512_fmadd_ps(hi, s_hi, m_hi);
+            _mm512_store_si512(dst + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    } else {
+        for (int r = 0; r < 16; r++) {
+            const __m128i *row = (const __m128i *)(q + 32 * r);
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row)));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row + 1)));
+            lo = _mm512_mul_ps(lo, s_lo);
+            hi = _mm512_mul_ps(hi, s_hi);
+            _mm512_store_si512(dst + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+}
+
+#ifndef PREFETCH
+#define PREFETCH 16  // groups ahead
+#endif
+
+#define PRODUCT(block, a)                                                        \
+    _tile_loadd(a, x + (size_t)16 * (block) * in_dim + 32 * g, 2 * in_dim); \
+    _tile_dpbf16ps(block, a, 6);
+
+// Writes row block `block` (tile `block`) of 16 outputs starting at column n0.
+#define STORE(block)                                                                 \
+    if (y_bf16) {                                                                    \
+        _tile_stored(block, sums, 64);                                               \
+        int rows_here = (block) == blocks - 1 ? last : 16;                           \
+        for (int r = 0; r < rows_here; r++) {                                        \
+            __m256bh v = _mm512_cvtneps_pbh(_mm512_load_ps(sums + 16 * r));          \
+            _mm256_storeu_si256((__m256i *)(y16 + (size_t)(16 * (block) + r) * out_dim + n0), \
+                                (__m256i)v);                                         \
+        }                                                                            \
+    } else {                                                                         \
+        _tile_stored(block, y32 + (size_t)16 * (block) * out_dim + n0, 4 * out_dim); \
+    }
+
+// Rows [0, rows) in passes of up to 64; `bits` 4 or 8; y bf16 or fp32.
+void q_gemm_amx(const uint16_t *x_all, int rows, int in_dim, const uint8_t *q,
+                const float *scale, const float *low, void *y, int y_bf16, int out_dim,
+                int bits) {
+    const int groups = in_dim / 32, num_blocks = out_dim / 16;
+    const size_t q_bytes = bits == 4 ? 256 : 512;
+    for (int m0 = 0; m0 < rows; m0 += 64) {
+        const int here = rows - m0 < 64 ? rows - m0 : 64;
+        const int blocks = (here + 15) / 16, last = here - 16 * (blocks - 1);
+        const uint16_t *x = x_all + (size_t)m0 * in_dim;
+        float *y32 = (float *)y + (size_t)m0 * out_dim;
+        uint16_t *y16 = (uint16_t *)y + (size_t)m0 * out_dim;
+#pragma omp parallel
+        {
+            configure(blocks, last);
+            uint16_t tiles[2][512] __attribute__((aligned(64)));
+            float sums[256] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+            for (int nb = 0; nb < num_blocks; nb++) {
+                const int n0 = 16 * nb;
+                const uint8_t *qb = q + (size_t)nb * groups * q_bytes;
+                const float *sb = scale + (size_t)nb * groups * 16;
+                const float *lb = low ? low + (size_t)nb * groups * 16 : 0;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int g = 0; g < groups; g++) {
+                    uint16_t *tile = tiles[g & 1];
+                    const uint8_t *ahead = qb + (g + PREFETCH) * q_bytes;  // may pass the end
+                    for (size_t line = 0; line < q_bytes; line += 64)
+                        _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
+                    _mm_prefetch((const char *)(sb + 16 * (g + PREFETCH)), _MM_HINT_T0);
+                    if (lb)
+                        _mm_prefetch((const char *)(lb + 16 * (g + PREFETCH)), _MM_HINT_T0);
+                    dequantize(qb + g * q_bytes, sb + 16 * g, lb ? lb + 16 * g : 0, bits, tile);
+                    _tile_loadd(6, tile, 64);
+                    switch (blocks) {
+                    case 4: PRODUCT(0, 4) PRODUCT(1, 4) PRODUCT(2, 4) PRODUCT(3, 5) break;
+                    case 3: PRODUCT(0, 4) PRODUCT(1, 4) PRODUCT(2, 5) break;
+                    case 2: PRODUCT(0, 4) PRODUCT(1, 5) break;
+                    default: PRODUCT(0, 5)
+                    }
+                }
+                switch (blocks) {
+                case 4: STORE(0) STORE(1) STORE(2) STORE(3) break;
+                case 3: STORE(0) STORE(1) STORE(2) break;
+                case 2: STORE(0) STORE(1) break;
+                default: STORE(0)
+                }
+            }
+            _tile_release();
+        }
+    }
+}

@@ -1,0 +1,97 @@
+# The 4- and 8-bit matmul on Intel AMX tiles (qgemm_amx.c), for bf16
+# activations: it dequantizes each 16 x 32 piece of the weight once per 64 rows
+# of x, so it reads 4-bit weights at any batch up to 64 rows where oneDNN's dense
+# bf16 matmul reads four times the bytes. `load()` says None without AMX, a
+# compiler, or Linux's leave to use the tile registers.
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from workers.scheduler import native
+
+SOURCE = Path(__file__).with_name("qgemm_amx.c")
+FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16")
+NEEDS = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
+                   "amx_tile", "amx_bf16"})
+
+
+@dataclass(frozen=True)
+class Tiled:
+    """One weight in the kernel's layout (qgemm_amx.c): levels [out / 16,
+    groups, 16 tile rows, 16 or 32 bytes], fp32 scales and (4-bit) minimums
+    [out / 16, groups, 16]."""
+    bits: int
+    q: torch.Tensor
+    scale: torch.Tensor
+    low: torch.Tensor | None
+    out_dim: int
+
+
+def _tile_lanes(levels: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [out / 16, groups, 16 rows, 32 lanes]: lane L of row r is
+    output L // 2, input 2r + L % 2 of the group."""
+    out_dim, in_dim = levels.shape
+    lanes = levels.reshape(out_dim // 16, 16, in_dim // 32, 16, 2)  # block, n, group, r, pair
+    return lanes.permute(0, 2, 3, 1, 4).reshape(out_dim // 16, in_dim // 32, 16, 32)
+
+
+def _per_block(values: torch.Tensor) -> torch.Tensor:
+    """fp32 [out, groups] -> [out / 16, groups, 16]."""
+    out_dim, groups = values.shape
+    return values.float().reshape(out_dim // 16, 16, groups).transpose(1, 2).contiguous()
+
+
+def pack_q4(levels: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> Tiled:
+    """levels [out, in] in [0, 15]; w = level * scale + low, scale and low [out, in / 32]."""
+    lanes = _tile_lanes(levels.to(torch.uint8))
+    q = (lanes[..., :16] | (lanes[..., 16:] << 4)).contiguous()
+    return Tiled(4, q, _per_block(scale), _per_block(low), levels.shape[0])
+
+
+def pack_q8(levels: torch.Tensor, scale: torch.Tensor) -> Tiled:
+    """levels [out, in] in [-127, 127]; w = level * scale, scale [out, in / 32]."""
+    q = _tile_lanes(levels.to(torch.int8)).contiguous().view(torch.uint8)
+    return Tiled(8, q, _per_block(scale), None, levels.shape[0])
+
+
+def fits(out_dim: int, in_dim: int) -> bool:
+    return out_dim % 16 == 0 and in_dim % 32 == 0
+
+
+def matmul(x: torch.Tensor, w: Tiled) -> torch.Tensor:
+    """x [rows, in] @ w.T -> [rows, out], in x's dtype if bf16 or fp32 (else
+    fp32); x is taken in bf16."""
+    dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.float32
+    if x.dtype != torch.bfloat16 or not x.is_contiguous():
+        x = x.to(torch.bfloat16).contiguous()
+    rows, in_dim = x.shape
+    out = torch.empty(rows, w.out_dim, dtype=dtype)
+    load().q_gemm_amx(x.data_ptr(), rows, in_dim, w.q.data_ptr(), w.scale.data_ptr(),
+                      None if w.low is None else w.low.data_ptr(), out.data_ptr(),
+                      dtype == torch.bfloat16, w.out_dim, w.bits)
+    return out
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    P, I32 = native.P, native.I32
+    lib = native.load(SOURCE, {
+        "amx_init": [P],
+        # x, rows, in, q, scale, low, y, y is bf16, out, bits
+        "q_gemm_amx": [P, I32, I32, P, P, P, P, I32, I32, I32],
+    }, FLAGS, NEEDS)
+    if lib is None:
+        return None
+    ok = ctypes.c_int(0)
+    lib.amx_init(ctypes.byref(ok))
+    return lib if ok.value else None
+
+
+def build() -> Path:
+    return native.build(SOURCE, FLAGS)
