@@ -8,7 +8,13 @@ import math
 import torch
 
 from pipeline.messages import Sampling
-from workers.scheduler.sampler import Sampler, apply_filters, apply_penalties, gumbel_noise
+from workers.scheduler.sampler import (
+    Sampler,
+    apply_filters,
+    apply_penalties,
+    greedy,
+    gumbel_noise,
+)
 from workers.scheduler.sequence import Sequence
 
 VOCAB = 8
@@ -28,6 +34,14 @@ def test_temperature_zero_is_argmax():
     logits = logits_of([0, 3, 1, 0, 0, 0, 0, 0], [5, 0, 0, 0, 0, 0, 0, 9])
     greedy = Sampling(temperature=0.0)
     assert Sampler()(logits, [seq(greedy), seq(greedy)]).token_ids == [1, 7]
+
+
+def test_greedy_takes_the_first_of_equal_maxima_as_argmax_does():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 50, (64, 49152), generator=generator).float()  # many ties
+    logits[3] = 0.0
+    assert torch.equal(greedy(logits), logits.argmax(-1))
+    assert greedy(logits)[3].item() == 0
 
 
 def test_a_mixed_batch_keeps_greedy_rows_greedy():

@@ -83,6 +83,14 @@ class Dense:
             return x @ self.weight_t
         return torch.addmm(self.bias, x, self.weight_t)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 x @ w.T, for the lm_head: the small batches' kernels write fp32
+        themselves (64 x 49152 logits: no bf16 rounding, no conversion pass)."""
+        if x.shape[0] <= self.small_batch:
+            out = self.small(x.float())
+            return out.float() if self.bias is None else out.float() + self.bias
+        return self(x).float()
+
     def small(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 

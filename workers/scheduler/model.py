@@ -147,7 +147,7 @@ class LlamaModel:
             else:
                 h += down
         x = rms_norm(h[logit_rows], self.norm, eps)
-        return self.lm_head(x).float()
+        return self.lm_head.logits(x)
 
 
 def rope_tables(spec: ModelSpec, device: torch.device,
