@@ -1,5 +1,6 @@
-"""Decode attention read in place from the paged cache (our C kernel) against
-the torch gather path, on scattered block tables and uneven lengths."""
+"""Attention read in place from the paged cache (our C kernel: decodes, and
+prefill tokens as rows of their own) against the torch gather path and SDPA,
+on scattered block tables and uneven lengths."""
 
 import random
 
@@ -17,9 +18,10 @@ LAYERS, BLOCKS, BLOCK, HEADS, KV_HEADS, DIM = 2, 40, 16, 9, 3, 64
 
 def step(in_place: bool, lengths: list[int], prefill: int = 0, sharpness: float = 1.0,
          dtype: torch.dtype = torch.float32, heads: int = HEADS,
-         kv_heads: int = KV_HEADS) -> tuple[torch.Tensor, torch.Tensor]:
+         kv_heads: int = KV_HEADS, prefill_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """One step's attention output for decode rows at `lengths` (and one
-    prefill chunk of `prefill` new tokens after them), same random inputs;
+    prefill chunk after them: positions `prefill_from` to `prefill`, the ones
+    before it cached already), same random inputs;
     `sharpness` scales the queries, so the softmax runs from flat to one-hot.
     Returns it with the KV cache after the step."""
     generator = torch.Generator().manual_seed(0)
@@ -34,7 +36,8 @@ def step(in_place: bool, lengths: list[int], prefill: int = 0, sharpness: float 
     for i, length in enumerate([*lengths, *([prefill] if prefill else [])]):
         decode = i < len(lengths)
         seq = Sequence(str(i), [1] * length, length, Sampling(), 0, i)
-        plan.chunks.append(Chunk(seq, length - 1, 1) if decode else Chunk(seq, 0, length))
+        plan.chunks.append(Chunk(seq, length - 1, 1) if decode
+                           else Chunk(seq, prefill_from, length - prefill_from))
         tables.append([blocks.pop() for _ in range(-(-length // BLOCK))])
     attention = TorchAttention(cache, heads, kv_heads, DIM, in_place=in_place)
     assert attention.in_place == in_place
@@ -58,6 +61,17 @@ def test_in_place_decode_matches_the_gathered_one(lengths, sharpness):
     assert ours.shape == (LAYERS, len(lengths) + 7, HEADS * DIM)
     assert (ours - gathered).abs().max().item() < 5e-5  # fp32 rounding of scores
     assert ours.abs().max().item() > 0.1  # the values were attended, not left at zero
+
+
+@pytest.mark.skipif(paged.load() is None, reason="no AVX2 CPU or no C compiler")
+@pytest.mark.parametrize("prefill, prefill_from", [(40, 0), (70, 33), (130, 129)])
+def test_in_place_prefill_matches_sdpa(prefill, prefill_from):
+    """Prefill chunks, first or continuing a cached prefix (chunked prefill),
+    causal within the chunk."""
+    (ours, _), (theirs, _) = (step(in_place, [5, 20], prefill, prefill_from=prefill_from)
+                              for in_place in (True, False))
+    assert ours.shape == (LAYERS, 2 + prefill - prefill_from, HEADS * DIM)
+    assert (ours - theirs).abs().max().item() < 5e-5
 
 
 @pytest.mark.skipif(paged.load() is None, reason="no AVX2 CPU or no C compiler")

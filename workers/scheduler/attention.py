@@ -1,6 +1,6 @@
 # Attention over the paged KV cache. The torch backend (CPU, or CUDA without
-# flashinfer) decodes on the CPU with our kernel (paged.py), which reads keys in
-# place through the block tables; elsewhere, and for prefill, it gathers each
+# flashinfer) attends on the CPU with our kernel (paged.py), which reads keys in
+# place through the block tables; elsewhere it gathers each
 # sequence's KV slots once per step and reuses the gather indices in every
 # layer. `make_backend` picks flashinfer on CUDA.
 
@@ -79,16 +79,19 @@ class TorchAttention:
     def prepare(self, plan: StepPlan, tables: list[list[int]], device: torch.device) -> None:
         """Per-step metadata, computed once and shared by every layer."""
         slots = torch.tensor(slot_mapping(plan, tables), dtype=torch.long, device=device)
-        # the leading one-token chunks (decodes) attend as one batch
-        num_decode = next((i for i, c in enumerate(plan.chunks) if c.num_tokens != 1),
-                          len(plan.chunks))
+        # the leading one-token chunks (decodes) attend as one batch. The kernel
+        # takes prefills too, each token a query row of its own: faster than
+        # SDPA's flash kernel per chunk (0.64x its time for 64 prompts of 35
+        # tokens, 0.67x for one of 2048)
+        num_decode = len(plan.chunks) if self.in_place else next(
+            (i for i, c in enumerate(plan.chunks) if c.num_tokens != 1), len(plan.chunks))
         decode_slots = decode_bias = None
         if self.in_place:  # the kernel's own per-step arguments
-            self.kernel.prepare(slots, *self._decode_tables(plan, tables, num_decode),
+            self.kernel.prepare(slots, *self._query_tables(plan, tables, num_decode),
                                 plan.block_size)
         elif num_decode:
             decode_slots, decode_bias = self._decode_gather(plan, tables, num_decode, device)
-        prefills, first = [], num_decode
+        prefills, first = [], sum(c.num_tokens for c in plan.chunks[:num_decode])
         for chunk, table in zip(plan.chunks[num_decode:], tables[num_decode:], strict=True):
             prefills.append(self._prefill_part(plan.block_size, chunk.start, chunk.num_tokens,
                                                table, first, device))
@@ -96,13 +99,19 @@ class TorchAttention:
         self.meta = TorchMeta(slots, num_decode, decode_slots, decode_bias, prefills)
 
     @staticmethod
-    def _decode_tables(plan: StepPlan, tables: list[list[int]],
-                       num_decode: int) -> tuple[torch.Tensor, torch.Tensor]:
-        lengths = [c.start + 1 for c in plan.chunks[:num_decode]]
+    def _query_tables(plan: StepPlan, tables: list[list[int]],
+                      num_chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's block table and length for each token of the first
+        `num_chunks` chunks: a token sees its sequence up to itself."""
+        chunks = plan.chunks[:num_chunks]
+        lengths = [c.start + i + 1 for c in chunks for i in range(c.num_tokens)]
         width = -(-max(lengths, default=1) // plan.block_size)
-        padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables[:num_decode]]
-        return (torch.tensor(padded, dtype=torch.int32).reshape(num_decode, width),
-                torch.tensor(lengths, dtype=torch.int32))
+        padded = torch.tensor([t[:width] + [0] * (width - len(t[:width]))
+                               for t in tables[:num_chunks]], dtype=torch.int32)
+        if len(lengths) > num_chunks:  # some prefill: its table once per token
+            padded = padded.reshape(num_chunks, width).repeat_interleave(
+                torch.tensor([c.num_tokens for c in chunks]), dim=0)
+        return padded.reshape(len(lengths), width), torch.tensor(lengths, dtype=torch.int32)
 
     def _decode_gather(self, plan: StepPlan, tables: list[list[int]], num_decode: int,
                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -260,7 +260,8 @@ class Scheduler:
         return {"model": self.config.model, "dtype": str(engine.dtype).removeprefix("torch."),
                 "quantization": engine.quantization,
                 "dense_matmul": "onednn" if engine.kernels.onednn else "torch",
-                "4bit_matmul": "qgemm" if engine.kernels.qgemm else "torch",
+                "4bit_matmul": ("amx" if engine.kernels.amx else "qgemm" if engine.kernels.qgemm
+                                else "torch"),
                 "num_expired": self.num_expired} | asdict(
             engine.stats())
 

@@ -1,6 +1,6 @@
-# Decode attention read in place from the paged KV cache (paged_attention.c,
-# built by native.py). Where it cannot be built, `load()` says None and the
-# torch backend gathers each step's keys and values instead.
+# Attention read in place from the paged KV cache (paged_attention.c, built by
+# native.py), for decodes and prefills alike. Where it cannot be built,
+# `load()` says None and the torch backend gathers keys and values instead.
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class InPlace:
     def prepare(self, slots: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
                 block_size: int) -> None:
         """slots int64 [rows] of every new token; tables int32 [batch, width] and
-        lengths int32 [batch] of the decodes (the first `batch` rows)."""
+        lengths int32 [batch] of the query rows (the first `batch` rows)."""
         self.step_tensors = (slots, tables, lengths)  # alive while the kernel reads them
         self.step_args = (slots.data_ptr(), len(lengths), tables.data_ptr(), tables.shape[1],
                           lengths.data_ptr(), block_size)
@@ -58,7 +58,7 @@ class InPlace:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float, out: torch.Tensor) -> None:
         """k and v [rows, kv_heads, dim] of every token written to their slots,
-        then the decodes' rows of q [rows, heads, dim] attended into out
+        then the query rows of q [rows, heads, dim] attended into out
         [rows, heads * dim]. Outputs in another dtype than the cache's go
         through a copy."""
         if out.dtype != self.dtype:

@@ -1,7 +1,8 @@
-/* Decode attention on the CPU over the paged KV cache of attention.py ("HND":
-   per layer [kv_heads, slots, dim], a block of block_size slots holding
-   consecutive positions): one query token per sequence, its keys and values read
-   in place through the block table, so nothing is gathered. The cache is fp32
+/* Attention on the CPU over the paged KV cache of attention.py ("HND": per
+   layer [kv_heads, slots, dim], a block of block_size slots holding consecutive
+   positions): one query row per token, with its own length and block table (a
+   decode's token, or each token of a prefill chunk, which sees its sequence up
+   to itself), keys and values read in place, so nothing is gathered. The cache is fp32
    or (a bf16 model) bf16. Each (sequence, kv head) is one task; its group of
    query heads, up to 3 at a time, shares every key and value it reads. AVX2 and
    FMA; dim a multiple of 8. It also writes the step's new keys and values,
