@@ -1,6 +1,9 @@
 """`pipeline bench`: a load generator for any OpenAI-compatible server, measuring each
 streamed request the way `vllm bench serve` does (TTFT, TPOT, ITL, E2E) and summing up
-request and output-token throughput. Torch-free: it only speaks HTTP."""
+request and output-token throughput. Torch-free: it only speaks HTTP, through aiohttp:
+a load generator shares the machine with the server it measures, and httpx took 4x the
+CPU per streamed event (0.37 against 0.09 s for 64 requests of 64 tokens, which made the
+same server 13% slower to finish them on 2 cores)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated
 
-import httpx
+import aiohttp
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -125,21 +128,23 @@ def record_chunk(result: RequestResult, chunk: dict, started: float, last: float
     return now
 
 
-async def stream_one(client: httpx.AsyncClient, path: str, body: dict) -> RequestResult:
+async def stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> RequestResult:
     result = RequestResult()
     started = last = time.perf_counter()
-    async with client.stream("POST", path, json=body) as response:
-        if response.status_code != 200:
-            detail = (await response.aread()).decode(errors="replace")[:200]
-            result.error = f"HTTP {response.status_code}: {detail}"
+    async with session.post(url, json=body) as response:
+        if response.status != 200:
+            detail = (await response.read()).decode(errors="replace")[:200]
+            result.error = f"HTTP {response.status}: {detail}"
             return result
-        async for line in response.aiter_lines():
-            data = line.removeprefix("data:").strip()
-            if not line.startswith("data:") or not data:
-                continue
-            if data == "[DONE]":
+        pending, done = b"", False
+        async for data in response.content.iter_any():
+            *events, pending = (pending + data.replace(b"\r\n", b"\n")).split(b"\n\n")
+            for payload in filter(None, map(sse_data, events)):
+                if done := payload == b"[DONE]":
+                    break
+                last = record_chunk(result, json.loads(payload), started, last)
+            if done:
                 break
-            last = record_chunk(result, json.loads(data), started, last)
     result.e2e_s = time.perf_counter() - started
     result.ok = result.ttft_s is not None
     if not result.ok:
@@ -147,21 +152,28 @@ async def stream_one(client: httpx.AsyncClient, path: str, body: dict) -> Reques
     return result
 
 
-async def send_one(client: httpx.AsyncClient, path: str, body: dict,
+def sse_data(event: bytes) -> bytes:
+    """The data of one server-sent event (its data: lines joined), b"" if none."""
+    lines = [line.removeprefix(b"data:").strip() for line in event.splitlines()
+             if line.startswith(b"data:")]
+    return b"\n".join(lines)
+
+
+async def send_one(session: aiohttp.ClientSession, url: str, body: dict,
                    gate: asyncio.Semaphore) -> RequestResult:
     try:
         async with gate:
-            return await stream_one(client, path, body)
+            return await stream_one(session, url, body)
     except Exception as error:  # a benchmark counts failures; it does not stop for them
         return RequestResult(error=f"{type(error).__name__}: {error}")
 
 
-async def first_model(client: httpx.AsyncClient) -> str:
+async def first_model(session: aiohttp.ClientSession, root: str) -> str:
     try:
-        response = await client.get("/models")
-        response.raise_for_status()
-        return response.json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError) as error:
+        async with session.get(f"{root}/models") as response:
+            response.raise_for_status()
+            return (await response.json())["data"][0]["id"]
+    except (aiohttp.ClientError, ValueError, KeyError, IndexError) as error:
         raise ConfigError(f"no model given and GET /v1/models failed: {error}") from error
 
 
@@ -171,15 +183,17 @@ async def run_bench_async(options: BenchOptions) -> dict:
     in_flight = options.concurrency or options.num_requests
     gate = asyncio.Semaphore(in_flight)
     headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
-    limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
-    async with httpx.AsyncClient(base_url=api_root(options.base_url), headers=headers,
-                                 timeout=options.timeout_s, limits=limits) as client:
-        model = options.model or await first_model(client)
+    root = api_root(options.base_url)
+    connector = aiohttp.TCPConnector(limit=in_flight)
+    timeout = aiohttp.ClientTimeout(total=options.timeout_s)
+    async with aiohttp.ClientSession(headers=headers, connector=connector,
+                                     timeout=timeout) as session:
+        model = options.model or await first_model(session, root)
         started = time.perf_counter()
         tasks = []
         for prompt in prompts:
             path, body = request_body(options, model, prompt)
-            tasks.append(asyncio.create_task(send_one(client, path, body, gate)))
+            tasks.append(asyncio.create_task(send_one(session, root + path, body, gate)))
             if math.isfinite(options.request_rate):
                 await asyncio.sleep(arrivals.expovariate(options.request_rate))
         results = await asyncio.gather(*tasks)

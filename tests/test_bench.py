@@ -17,7 +17,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from typer.testing import CliRunner
 
-from pipeline.bench import BenchOptions, Endpoint, bench_command, make_prompts, run_bench
+from pipeline.bench import (
+    BenchOptions,
+    Endpoint,
+    bench_command,
+    make_prompts,
+    run_bench,
+    sse_data,
+)
 
 NUM_CHUNKS = 5
 TOKENS_PER_CHUNK = 2  # what the peer's usage claims, so usage and chunk counts differ
@@ -93,6 +100,12 @@ def test_prompts_are_reproducible_and_differ_from_their_first_words():
     assert prompts != make_prompts(64, 24, seed=1)
     assert all(len(prompt.split()) == 24 for prompt in prompts)
     assert len({tuple(prompt.split()[:3]) for prompt in prompts}) == 64
+
+
+def test_sse_data_joins_data_lines_and_skips_the_rest():
+    assert sse_data(b'data: {"a": 1}') == b'{"a": 1}'
+    assert sse_data(b"event: ping\ndata: one\ndata: two") == b"one\ntwo"
+    assert sse_data(b": a comment") == b""
 
 
 def test_bench_counts_tokens_from_usage_and_times_the_first_token(peer_url):
