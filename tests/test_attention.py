@@ -11,6 +11,7 @@ from pipeline.messages import Sampling
 from workers.scheduler import paged
 from workers.scheduler.attention import TorchAttention, make_cache
 from workers.scheduler.batcher import Chunk, StepPlan
+from workers.scheduler.native import cpu_flags
 from workers.scheduler.sequence import Sequence
 
 LAYERS, BLOCKS, BLOCK, HEADS, KV_HEADS, DIM = 2, 40, 16, 9, 3, 64
@@ -103,3 +104,29 @@ def test_in_place_decode_takes_every_group_size(heads, kv_heads):
     (ours, _), (gathered, _) = (step(in_place, lengths, 7, heads=heads, kv_heads=kv_heads)
                                 for in_place in (True, False))
     assert (ours - gathered).abs().max().item() < 5e-5
+
+
+@pytest.mark.skipif(not paged.NEEDS_AVX512 <= cpu_flags() or paged.load() is None,
+                    reason="no avx512_bf16 CPU or no C compiler")
+@pytest.mark.parametrize("dim", [64, 128])
+def test_avx512_bf16_build_matches_the_avx2_one(dim):
+    """bf16 dot products of q and k are exact, as the AVX2 build's fp32 ones."""
+    generator = torch.Generator().manual_seed(0)
+    caches = [torch.randn(KV_HEADS, 64 * BLOCK, dim, generator=generator).bfloat16()
+              for _ in range(2)]
+    rows, width, lengths = 6, 10, torch.tensor([1, 15, 16, 17, 100, 160], dtype=torch.int32)
+    tables = torch.randperm(64, generator=generator)[:rows * width].reshape(rows, width)
+    last = (lengths - 1).long()  # each row's new key and value at its last position
+    slots = tables[torch.arange(rows), last // BLOCK].long() * BLOCK + last % BLOCK
+    q = torch.randn(rows, HEADS, dim, generator=generator).bfloat16()
+    k, v = (torch.randn(rows, KV_HEADS, dim, generator=generator).bfloat16() for _ in range(2))
+    outs = []
+    for lib in (paged.load(), paged.load_avx2()):
+        kernel = paged.InPlace([caches[0].clone()], [caches[1].clone()], lib)
+        kernel.prepare(slots, tables.to(torch.int32).contiguous(), lengths, BLOCK)
+        out = torch.zeros(rows, HEADS * dim, dtype=torch.bfloat16)
+        kernel(0, q, k, v, dim ** -0.5, out)
+        outs.append(out.float())
+    assert paged.load() is not paged.load_avx2()
+    assert (outs[0] - outs[1]).abs().max().item() <= 2 ** -7 * outs[1].abs().max().item()
+    assert outs[0].abs().max().item() > 0.1

@@ -15,16 +15,30 @@ from workers.scheduler import native
 SOURCE = Path(__file__).with_name("paged_attention.c")
 
 
+# a bf16 cache through AVX-512's bf16 dot product (attention_avx512.h), where the CPU has it
+AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
+NEEDS_AVX512 = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
+
+
+P, I32, I64 = native.P, native.I32, native.I64
+SIGNATURES = {"paged_decode": [P, I64, P, I64, P, I64, I32, I32, P, I32, I32, I32, I32, P, P, I64,
+                               P, I32, P, I32, native.F32, P]}
+
+
 @cache
 def load() -> ctypes.CDLL | None:
-    P, I32, I64 = native.P, native.I32, native.I64
-    return native.load(SOURCE, {"paged_decode": [
-        P, I64, P, I64, P, I64, I32, I32, P, I32, I32, I32, I32, P, P, I64, P, I32, P, I32,
-        native.F32, P]})
+    """The AVX-512 build where the CPU takes it, else (or where that one
+    cannot be built) the AVX2 one."""
+    return native.load(SOURCE, SIGNATURES, AVX512, NEEDS_AVX512) or load_avx2()
 
 
-def build() -> Path:
-    return native.build(SOURCE)
+@cache
+def load_avx2() -> ctypes.CDLL | None:
+    return native.load(SOURCE, SIGNATURES)
+
+
+def build(flags: tuple[str, ...] = ()) -> Path:
+    return native.build(SOURCE, flags)
 
 
 def rows_of(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -39,8 +53,10 @@ class InPlace:
     fp32): the caches' pointers are taken once, a step's tables once a step, so
     each layer's call does little in Python (30 of them a step)."""
 
-    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
-        self.kernel = load().paged_decode
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                 lib: ctypes.CDLL | None = None):
+        """`lib`: a build of the kernel other than load()'s."""
+        self.kernel = (lib or load()).paged_decode
         self.k, self.v = [t.data_ptr() for t in k_caches], [t.data_ptr() for t in v_caches]
         self.kv_heads, self.slots, self.dim = k_caches[0].shape
         self.dtype = k_caches[0].dtype

@@ -12,6 +12,9 @@
 #include <stdlib.h>
 
 #include "kernels.h"
+#ifdef __AVX512BF16__
+#include "attention_avx512.h"
+#endif
 
 /* The 8 horizontal sums of a[0..7], in order, as one vector. */
 static inline __m256 sums8(const __m256 a[8]) {
@@ -112,6 +115,16 @@ static void softmax(float *x, int len);
 static inline __attribute__((always_inline)) void attend(
         const float *q, const void *const *keys, const void *const *values, int len, int dim,
         float scale, float *weight, float *out, const int BF16, const int GC) {
+#ifdef __AVX512BF16__
+    if (BF16 && (dim == 64 || dim == 128)) {
+        if (dim == 64) scores_bf16(q, keys, len, scale, weight, GC, 64);
+        else scores_bf16(q, keys, len, scale, weight, GC, 128);
+        for (int g = 0; g < GC; g++) softmax(weight + g * len, len);
+        if (dim == 64) weighted_sum_bf16(weight, values, len, out, GC, 64);
+        else weighted_sum_bf16(weight, values, len, out, GC, 128);
+        return;
+    }
+#endif
     scores(q, keys, len, dim, scale, weight, BF16, GC);
     for (int g = 0; g < GC; g++) softmax(weight + g * len, len);
     weighted_sum(weight, values, len, dim, out, BF16, GC);
@@ -165,15 +178,25 @@ void paged_decode(const void *q, int64_t q_stride, const void *k, int64_t k_stri
             for (int h = 0; h < kv_heads; h++) {
                 const int len = lengths[b];
                 const int32_t *table = tables + (int64_t)b * table_width;
-                const void **keys = malloc(sizeof(void *) * 2 * (size_t)len);
+                /* on the stack up to 2048 positions (40 KB at a group of 3) */
+                const int on_heap = len > 2048;
+                const size_t pointers = 2 * (size_t)(on_heap ? len : 2048);
+                const size_t floats = (size_t)group * ((on_heap ? len : 2048) + 2 * dim);
+                const void *stack_pointers[on_heap ? 1 : pointers];
+                float stack_floats[on_heap ? 1 : floats];
+                const void **keys = on_heap ? malloc(sizeof(void *) * pointers) : stack_pointers;
                 const void **values = keys + len;
-                float *weight = malloc(sizeof(float) * (size_t)group * (len + 2 * dim));
+                float *weight = on_heap ? malloc(sizeof(float) * floats) : stack_floats;
                 float *query = weight + (size_t)group * len, *result = query + group * dim;
-                for (int p = 0; p < len; p++) {
-                    int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
-                    int64_t at = ((int64_t)h * cache_slots + slot) * row_bytes;
-                    keys[p] = (const char *)k_cache + at;
-                    values[p] = (const char *)v_cache + at;
+                const char *k_head = (const char *)k_cache + (size_t)h * cache_slots * row_bytes;
+                const char *v_head = (const char *)v_cache + (size_t)h * cache_slots * row_bytes;
+                for (int p = 0; p < len; p += block_size) {  /* a block's slots are in a row */
+                    const size_t at = (size_t)table[p / block_size] * block_size * row_bytes;
+                    const int here = len - p < block_size ? len - p : block_size;
+                    for (int i = 0; i < here; i++) {
+                        keys[p + i] = k_head + at + i * row_bytes;
+                        values[p + i] = v_head + at + i * row_bytes;
+                    }
                 }
                 const int64_t head = (int64_t)h * group;
                 for (int g = 0; g < group; g++)
@@ -194,8 +217,10 @@ void paged_decode(const void *q, int64_t q_stride, const void *k, int64_t k_stri
                 }
                 store_row(result, bf16, (char *)out + width * ((int64_t)b * heads + head) * dim,
                           group * dim);
-                free(keys);
-                free(weight);
+                if (on_heap) {
+                    free(keys);
+                    free(weight);
+                }
             }
         }
     }
