@@ -69,16 +69,18 @@ class NativeOps(TorchOps):
         return out
 
 
+P, I32, I64, F32 = native.P, native.I32, native.I64, native.F32
+SIGNATURES = {"add_rms_norm": [P, P, P, P, I32, I32, F32, I32],
+              "rope": [P, I64, I32, I32, I32, P, P, P, I32], "silu_mul": [P, P, I32, I32, I32]}
+
+
 @cache
 def load() -> ctypes.CDLL | None:
-    P, I32, I64, F32 = native.P, native.I32, native.I64, native.F32
-    return native.load(SOURCE, {"add_rms_norm": [P, P, P, P, I32, I32, F32, I32],
-                                "rope": [P, I64, I32, I32, I32, P, P, P, I32],
-                                "silu_mul": [P, P, I32, I32, I32]})
+    return native.load_best(SOURCE, SIGNATURES)
 
 
-def build() -> Path:
-    return native.build(SOURCE)
+def build(flags: tuple[str, ...] = ()) -> Path:
+    return native.build(SOURCE, flags)
 
 
 def choose_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:

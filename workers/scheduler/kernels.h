@@ -1,5 +1,5 @@
-/* What our C kernels share (AVX2 and FMA): a vector e^x, and rows of bf16 or
-   fp32 read into and written from fp32. */
+/* What our C kernels share (AVX2 and FMA; AVX-512 where built for it): a vector
+   e^x, and rows of bf16 or fp32 read into and written from fp32. */
 
 #ifndef PIPELINE_KERNELS_H
 #define PIPELINE_KERNELS_H
@@ -25,6 +25,25 @@ static inline __m256 exp8(__m256 x) {
                                                       _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(under, _mm256_mul_ps(e, _mm256_castsi256_ps(bits)));
 }
+
+#ifdef __AVX512F__
+/* exp8's steps 16 lanes at a time, so both builds give the same bits */
+static inline __m512 exp16(__m512 x) {
+    const __m512 floor = _mm512_set1_ps(-87.0f);
+    __mmask16 under = _mm512_cmp_ps_mask(x, floor, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, floor);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 e = _mm512_set1_ps(1.0f / 5040);
+    const float c[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    for (int i = 0; i < 7; i++) e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(c[i]));
+    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n),
+                                                      _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps((__mmask16)~under, e, _mm512_castsi512_ps(bits));
+}
+#endif
 
 static inline float bf16_to_float(uint16_t half) {
     uint32_t bits = (uint32_t)half << 16;

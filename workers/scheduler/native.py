@@ -21,6 +21,9 @@ from pipeline.models import default_cache_dir
 log = logging.getLogger(__name__)
 P, I32, I64, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float  # for signatures
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+# a second build of a kernel with 16-lane paths, where the CPU has them (load_best)
+AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
+NEEDS_AVX512 = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
 
 
 def cpu_flags() -> set[str]:
@@ -46,6 +49,12 @@ def load(source: Path, signatures: dict[str, list], flags: tuple[str, ...] = (),
         function = getattr(lib, name)
         function.argtypes, function.restype = argtypes, None
     return lib
+
+
+def load_best(source: Path, signatures: dict[str, list]) -> ctypes.CDLL | None:
+    """The AVX-512 build where the CPU takes it, else (or where that one cannot
+    be built) the AVX2 one."""
+    return load(source, signatures, AVX512, NEEDS_AVX512) or load(source, signatures)
 
 
 def build(source: Path, flags: tuple[str, ...] = ()) -> Path:

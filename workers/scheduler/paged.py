@@ -15,9 +15,6 @@ from workers.scheduler import native
 SOURCE = Path(__file__).with_name("paged_attention.c")
 
 
-# a bf16 cache through AVX-512's bf16 dot product (attention_avx512.h), where the CPU has it
-AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
-NEEDS_AVX512 = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
 
 
 P, I32, I64 = native.P, native.I32, native.I64
@@ -27,14 +24,10 @@ SIGNATURES = {"paged_decode": [P, I64, P, I64, P, I64, I32, I32, P, I32, I32, I3
 
 @cache
 def load() -> ctypes.CDLL | None:
-    """The AVX-512 build where the CPU takes it, else (or where that one
-    cannot be built) the AVX2 one."""
-    return native.load(SOURCE, SIGNATURES, AVX512, NEEDS_AVX512) or load_avx2()
+    """On a bf16 cache the AVX-512 build takes AVX-512's bf16 dot product
+    (attention_avx512.h)."""
+    return native.load_best(SOURCE, SIGNATURES)
 
-
-@cache
-def load_avx2() -> ctypes.CDLL | None:
-    return native.load(SOURCE, SIGNATURES)
 
 
 def build(flags: tuple[str, ...] = ()) -> Path:

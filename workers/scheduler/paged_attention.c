@@ -133,8 +133,19 @@ static inline __attribute__((always_inline)) void attend(
 static void softmax(float *x, int len) {
     float top = -INFINITY, total = 0.0f;
     for (int p = 0; p < len; p++) top = x[p] > top ? x[p] : top;
-    __m256 max = _mm256_set1_ps(top), sum = _mm256_setzero_ps();
     int p = 0;
+#ifdef __AVX512F__
+    __m512 max16 = _mm512_set1_ps(top), sum16 = _mm512_setzero_ps();
+    for (; p < len; p += 16) {  /* the tail in masked lanes */
+        const __mmask16 here = len - p >= 16 ? 0xFFFF : (__mmask16)((1u << (len - p)) - 1);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(here, x + p), max16));
+        e = _mm512_maskz_mov_ps(here, e);
+        _mm512_mask_storeu_ps(x + p, here, e);
+        sum16 = _mm512_add_ps(sum16, e);
+    }
+    total = _mm512_reduce_add_ps(sum16);
+#else
+    __m256 max = _mm256_set1_ps(top), sum = _mm256_setzero_ps();
     for (; p + 8 <= len; p += 8) {
         __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + p), max));
         _mm256_storeu_ps(x + p, e);
@@ -144,6 +155,7 @@ static void softmax(float *x, int len) {
     float lanes[8];
     _mm256_storeu_ps(lanes, sum);
     for (int i = 0; i < 8; i++) total += lanes[i];
+#endif
     const float inverse = 1.0f / total;
     for (p = 0; p < len; p++) x[p] *= inverse;
 }
