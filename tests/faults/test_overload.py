@@ -17,7 +17,8 @@ def test_past_the_queue_limit_the_api_answers_503_with_retry_after_at_once(redis
     tier.start("detokenizer")
     url = tier.start_api()
     tier.wait_ready()
-    body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    # 12 requests 2 at a time must outlast the 1.5 s below: 6 rounds of 64 steps
+    body = {"prompt": "Once upon a time", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
 
     async def one(client):
         t0 = time.monotonic()
@@ -50,7 +51,9 @@ def test_a_request_past_its_deadline_is_not_started_and_gets_a_clear_error(redis
     patient = tier.start_api()
     hasty = tier.start_api(**{"request-timeout": "1"})
     tier.wait_ready()
-    long = {"prompt": "Count to a thousand:", "max_tokens": 120, "temperature": 0,
+    # the hog must outlast the hasty request's deadline (2 s in) on the fastest host:
+    # 600 tokens take ~5 s at 8 ms a step
+    long = {"prompt": "Count to a thousand:", "max_tokens": 600, "temperature": 0,
             "ignore_eos": True}
     short = {"prompt": "Hi", "max_tokens": 4, "temperature": 0}
 

@@ -86,26 +86,40 @@ class Scheduler:
                 await self.turn_back(entry)
 
     async def step(self) -> None:
-        await self.flush()
+        """One engine step, with this scheduler's Redis traffic done while it
+        runs: the last step's tokens go out and new entries are read (they join
+        the engine between steps, where it is safe to touch)."""
         if time.monotonic() >= self.next_upkeep:
             await self.upkeep()
-        await self.receive()
-        results = (await asyncio.get_running_loop().run_in_executor(
-            self.engine_thread, self.engine.step) if self.engine.has_work() else [])
-        await self.emit(results)
-
-    async def receive(self) -> None:
-        for _stream, entries in await self.client.read({self.keys.control: self.control_id},
-                                                       count=512, wait=False):
-            for entry_id, raw in entries:
-                self.control_id = entry_id
-                self.on_control(raw)
-        room = self.engine.can_admit()
-        if room <= 0:
+        room = self.engine.can_admit()  # asked before the step: the engine is its thread's then
+        if not self.engine.has_work():  # idle: wait for work, nothing to overlap
+            await self.flush()
+            await self.take(*await self.fetch(room, wait=True))
             return
-        entries = await self.reader.read_group(self.keys.requests, SCHEDULERS, self.worker_id,
-                                               count=room, wait=not self.engine.has_work())
-        for entry_id, raw in entries:
+        running = asyncio.get_running_loop().run_in_executor(self.engine_thread,
+                                                             self.engine.step)
+        try:
+            await self.flush()
+            fetched = await self.fetch(room, wait=False)
+        finally:  # never leave the engine running into the next call
+            self.emit(await running)
+        await self.take(*fetched)
+
+    async def fetch(self, room: int, wait: bool) -> tuple[list, list]:
+        """Control entries, and up to `room` new requests (`wait`: block for
+        them a while)."""
+        control = [entry for _stream, entries in await self.client.read(
+            {self.keys.control: self.control_id}, count=512, wait=False) for entry in entries]
+        if control:
+            self.control_id = control[-1][0]
+        requests = [] if room <= 0 else await self.reader.read_group(
+            self.keys.requests, SCHEDULERS, self.worker_id, count=room, wait=wait)
+        return control, requests
+
+    async def take(self, control: list, requests: list) -> None:
+        for _entry_id, raw in control:
+            self.on_control(raw)
+        for entry_id, raw in requests:
             await self.admit(entry_id, raw)
 
     async def upkeep(self) -> None:
@@ -234,16 +248,20 @@ class Scheduler:
                           finish, sampling.stop, matched, result.logprobs, run.submit.attempt,
                           sampling.skip_special_tokens)
 
-    async def emit(self, results: list[StepResult]) -> None:
+    def emit(self, results: list[StepResult]) -> None:
+        """Queue a step's outputs (and any failures) for the next flush."""
         outputs = [out for r in results if (out := self.output_for(r)) is not None]
         failures, self.failures = self.failures, []
         if outputs or failures:
             self.unsent.append(TokenBatch(self.worker_id, outputs, failures))
-        await self.flush()
 
     async def flush(self) -> None:
-        """Send what earlier steps produced, oldest first. A batch stays queued
-        until Redis took it (a lost reply means a duplicate the frontend drops)."""
+        """Send what earlier steps produced, and failures since, oldest first. A
+        batch stays queued until Redis took it (a lost reply means a duplicate
+        the frontend drops)."""
+        if self.failures:
+            failures, self.failures = self.failures, []
+            self.unsent.append(TokenBatch(self.worker_id, [], failures))
         while self.unsent:
             await self.client.add(self.keys.tokens, self.unsent[0])
             self.unsent.pop(0)
