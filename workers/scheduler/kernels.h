@@ -9,36 +9,39 @@
 #include <string.h>
 
 /* e^x for x <= 0, to ~2 ulp: x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor
-   polynomial to r^7, 2^n through the exponent bits; under -87 it flushes to 0. */
+   polynomial to r^7, 2^n through the exponent bits; under -87 it flushes to 0.
+   exp8 and exp16 take the same steps on these constants: both give the same bits. */
+#define EXP_FLOOR (-87.0f)
+#define EXP_LOG2E 1.44269504089f
+#define EXP_LN2_HI 0.693145751953125f
+#define EXP_LN2_LO 1.428606765330187e-06f
+static const float EXP_TAYLOR[8] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24,
+                                    1.0f / 6, 0.5f, 1.0f, 1.0f};
+
 static inline __m256 exp8(__m256 x) {
-    const __m256 floor = _mm256_set1_ps(-87.0f);
-    __m256 under = _mm256_cmp_ps(x, floor, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, floor);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+    __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_FLOOR), _CMP_LT_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(EXP_FLOOR));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    __m256 e = _mm256_set1_ps(1.0f / 5040);
-    const float c[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
-    for (int i = 0; i < 7; i++) e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(c[i]));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
+    __m256 e = _mm256_set1_ps(EXP_TAYLOR[0]);
+    for (int i = 1; i < 8; i++) e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(EXP_TAYLOR[i]));
     __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
                                                       _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(under, _mm256_mul_ps(e, _mm256_castsi256_ps(bits)));
 }
 
 #ifdef __AVX512F__
-/* exp8's steps 16 lanes at a time, so both builds give the same bits */
 static inline __m512 exp16(__m512 x) {
-    const __m512 floor = _mm512_set1_ps(-87.0f);
-    __mmask16 under = _mm512_cmp_ps_mask(x, floor, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, floor);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+    __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_FLOOR), _CMP_LT_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(EXP_FLOOR));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 e = _mm512_set1_ps(1.0f / 5040);
-    const float c[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
-    for (int i = 0; i < 7; i++) e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(c[i]));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+    __m512 e = _mm512_set1_ps(EXP_TAYLOR[0]);
+    for (int i = 1; i < 8; i++) e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(EXP_TAYLOR[i]));
     __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n),
                                                       _mm512_set1_epi32(127)), 23);
     return _mm512_maskz_mul_ps((__mmask16)~under, e, _mm512_castsi512_ps(bits));

@@ -59,6 +59,8 @@ class Dense:
     narrower copy of the weight."""
 
     small_batch = -1  # no narrower copy: every batch is dense
+    qgemm: qgemm.Packed | None = None  # the narrow copy in one of our kernels' layouts
+    tiled: qgemm_amx.Tiled | None = None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  kernels: Kernels = PLAIN):
@@ -91,7 +93,23 @@ class Dense:
             return out.float() if self.bias is None else out.float() + self.bias
         return self(x).float()
 
+    def _small_kernels(self, kernels: Kernels, dtype: torch.dtype,
+                       weight: torch.Tensor) -> Kernels:
+        """The kernels this weight's narrow copy runs on (AMX only where it
+        fits), and the batch they serve up to."""
+        self.qgemm = self.tiled = None
+        kernels = replace(kernels, amx=uses_amx(kernels, dtype, weight))
+        self.small_batch = kernels.small_batch(dtype)
+        return kernels
+
     def small(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiled is not None:
+            return qgemm_amx.matmul(x, self.tiled)
+        if self.qgemm is not None:
+            return qgemm.matmul(x, self.qgemm)
+        return self.small_torch(x)
+
+    def small_torch(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -103,9 +121,7 @@ class Int4(Dense):
                  levels: torch.Tensor, scales_zeros: torch.Tensor,
                  kernels: Kernels = PLAIN):
         super().__init__(weight, bias, dtype, kernels)
-        self.qgemm = self.tiled = None
-        kernels = replace(kernels, amx=uses_amx(kernels, dtype, weight))
-        self.small_batch = kernels.small_batch(dtype)
+        kernels = self._small_kernels(kernels, dtype, weight)
         if kernels.amx:
             scale, zero = scales_zeros[..., 0].t(), scales_zeros[..., 1].t()
             self.tiled = qgemm_amx.pack_q4(levels, scale, zero - 8 * scale)
@@ -115,11 +131,7 @@ class Int4(Dense):
             self.packed = torch._convert_weight_to_int4pack_for_cpu(levels, 2)
             self.scales_zeros = scales_zeros.to(torch.bfloat16)
 
-    def small(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiled is not None:
-            return qgemm_amx.matmul(x, self.tiled)
-        if self.qgemm is not None:
-            return qgemm.matmul(x, self.qgemm)
+    def small_torch(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP,
                                                  self.scales_zeros)
 
@@ -133,9 +145,7 @@ class Int8(Dense):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  levels: torch.Tensor, scale: torch.Tensor, kernels: Kernels = PLAIN):
         super().__init__(weight, bias, dtype, kernels)
-        self.qgemm = self.tiled = None
-        kernels = replace(kernels, amx=uses_amx(kernels, dtype, weight))
-        self.small_batch = kernels.small_batch(dtype)
+        kernels = self._small_kernels(kernels, dtype, weight)
         if kernels.amx:
             self.tiled = qgemm_amx.pack_q8(levels, scale.reshape(levels.shape[0], -1))
             return
@@ -151,11 +161,7 @@ class Int8(Dense):
         self.low_sz = torch.cat([scale, 8 * scale], dim=-1).transpose(0, 1).contiguous().to(
             torch.bfloat16)
 
-    def small(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiled is not None:
-            return qgemm_amx.matmul(x, self.tiled)
-        if self.qgemm is not None:
-            return qgemm.matmul(x, self.qgemm)
+    def small_torch(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.bfloat16)
         return (torch._weight_int4pack_mm_for_cpu(x, self.high, GROUP, self.high_sz)
                 + torch._weight_int4pack_mm_for_cpu(x, self.low, GROUP, self.low_sz))

@@ -249,11 +249,10 @@ class Scheduler:
                           sampling.skip_special_tokens)
 
     def emit(self, results: list[StepResult]) -> None:
-        """Queue a step's outputs (and any failures) for the next flush."""
+        """Queue a step's outputs for the next flush."""
         outputs = [out for r in results if (out := self.output_for(r)) is not None]
-        failures, self.failures = self.failures, []
-        if outputs or failures:
-            self.unsent.append(TokenBatch(self.worker_id, outputs, failures))
+        if outputs:
+            self.unsent.append(TokenBatch(self.worker_id, outputs, []))
 
     async def flush(self) -> None:
         """Send what earlier steps produced, and failures since, oldest first. A

@@ -91,9 +91,7 @@ def matmul(x: torch.Tensor, w: Packed) -> torch.Tensor:
     x in bf16 and gives x's dtype if bf16 or fp32 (else fp32); others compute and
     give fp32."""
     if w.blocked:  # the hot path of a decode step: ~120 calls each
-        dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.float32
-        if x.dtype != torch.bfloat16 or not x.is_contiguous():
-            x = x.to(torch.bfloat16).contiguous()
+        x, dtype = bf16_rows(x)
         rows, in_dim = x.shape
         out = torch.empty(rows, w.out_dim, dtype=dtype)
         w.kernel(x.data_ptr(), rows, in_dim, w.q.data_ptr(), out.data_ptr(),
@@ -106,6 +104,15 @@ def matmul(x: torch.Tensor, w: Packed) -> torch.Tensor:
     kernel(x.data_ptr(), rows, in_dim, w.q.data_ptr(), w.scale.data_ptr(),
            None if w.low is None else w.low.data_ptr(), out.data_ptr(), out.shape[1])
     return out
+
+
+def bf16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+    """x as a bf16 kernel reads it (contiguous bf16), and the dtype its answer
+    takes: x's if bf16 or fp32, else fp32."""
+    dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.float32
+    if x.dtype != torch.bfloat16 or not x.is_contiguous():
+        x = x.to(torch.bfloat16).contiguous()
+    return x, dtype
 
 
 @cache

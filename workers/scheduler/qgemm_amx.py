@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from workers.scheduler import native
+from workers.scheduler import native, qgemm
 
 SOURCE = Path(__file__).with_name("qgemm_amx.c")
 FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16")
@@ -67,9 +67,7 @@ def fits(out_dim: int, in_dim: int) -> bool:
 def matmul(x: torch.Tensor, w: Tiled) -> torch.Tensor:
     """x [rows, in] @ w.T -> [rows, out], in x's dtype if bf16 or fp32 (else
     fp32); x is taken in bf16."""
-    dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.float32
-    if x.dtype != torch.bfloat16 or not x.is_contiguous():
-        x = x.to(torch.bfloat16).contiguous()
+    x, dtype = qgemm.bf16_rows(x)
     rows, in_dim = x.shape
     out = torch.empty(rows, w.out_dim, dtype=dtype)
     load().q_gemm_amx(x.data_ptr(), rows, in_dim, w.q.data_ptr(), w.scale.data_ptr(),
