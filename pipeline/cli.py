@@ -47,6 +47,10 @@ Dtype = Annotated[str, _opt("DTYPE", "auto | bfloat16 | float32 | float16.")]
 Quantization = Annotated[str, _opt("QUANTIZATION", "auto | int4 | none: 4-bit weights for small "
                                    "batches (auto: only where the checkpoint is exactly 4- or "
                                    "8-bit already, on the CPU).")]
+Activations = Annotated[str, _opt("ACTIVATIONS", "auto | exact | int8: what a 4- or 8-bit weight "
+                                 "multiplies (int8: rows rounded to 8 bits per group of 32, "
+                                 "as llama.cpp runs a GGUF; auto: int8 where that is the "
+                                 "fastest kernel on this CPU).")]
 Device = Annotated[str, _opt("DEVICE", "auto | cpu | cuda.")]
 Threads = Annotated[int | None, _opt("NUM_THREADS", "torch threads per scheduler.")]
 Timeout = Annotated[float, _opt("REQUEST_TIMEOUT", "Seconds before a request is abandoned.")]
@@ -60,7 +64,7 @@ LogLevel = Annotated[str, _opt("LOG_LEVEL", "debug | info | warning | error.")]
 
 def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: int,
                  api_key: str | None, max_running_requests: int, max_batch_tokens: int,
-                 kv_cache_mb: int, dtype: str, quantization: str, device: str,
+                 kv_cache_mb: int, dtype: str, quantization: str, activations: str, device: str,
                  num_threads: int | None,
                  request_timeout: float, max_queued_requests: int,
                  alive_ttl_s: float) -> Config:
@@ -72,8 +76,8 @@ def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: in
                       max_queued_requests=max_queued_requests),
         scheduler=SchedulerConfig(max_running_requests=max_running_requests,
                                   max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb,
-                                  dtype=dtype, quantization=quantization, device=device,
-                                  num_threads=num_threads),
+                                  dtype=dtype, quantization=quantization,
+                                  activations=activations, device=device, num_threads=num_threads),
     )
 
 
@@ -87,6 +91,7 @@ def child_env(config: Config, redis_url: str, log_level: str, api_workers: int) 
         "MAX_BATCH_TOKENS": config.scheduler.max_batch_tokens,
         "KV_CACHE_MB": config.scheduler.kv_cache_mb, "DTYPE": config.scheduler.dtype,
         "QUANTIZATION": config.scheduler.quantization,
+        "ACTIVATIONS": config.scheduler.activations,
         "DEVICE": config.scheduler.device, "NUM_THREADS": config.scheduler.num_threads,
         "REQUEST_TIMEOUT": config.api.request_timeout_s,
         "MAX_QUEUED_REQUESTS": config.api.max_queued_requests, "LOG_LEVEL": log_level,
@@ -109,7 +114,8 @@ def serve(
     detokenizers: Annotated[int, _opt("DETOKENIZERS", "Detokenizer processes.")] = 1,
     api_key: ApiKey = None, max_running_requests: MaxRunning = 64,
     max_batch_tokens: MaxBatchTokens = 512, kv_cache_mb: KvCacheMb = 512, dtype: Dtype = "auto",
-    quantization: Quantization = "auto", device: Device = "auto", num_threads: Threads = None,
+    quantization: Quantization = "auto", activations: Activations = "auto",
+    device: Device = "auto", num_threads: Threads = None,
     request_timeout: Timeout = 600.0,
     max_queued_requests: MaxQueued = 1024, alive_ttl_s: AliveTtl = 5.0,
     log_level: LogLevel = "info",
@@ -128,7 +134,7 @@ def serve(
         redis_url=redis_url or "", prefix=prefix, model=model, host=host, port=port,
         api_key=api_key, max_running_requests=max_running_requests,
         max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb, dtype=dtype,
-        quantization=quantization, device=device,
+        quantization=quantization, activations=activations, device=device,
         num_threads=num_threads, request_timeout=request_timeout,
         max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s)
     counts = {"api": api_workers, "scheduler": schedulers, "detokenizer": detokenizers}
@@ -145,7 +151,8 @@ def worker(
     api_workers: Annotated[int, _opt("API_WORKERS", "uvicorn worker processes (api).")] = 1,
     api_key: ApiKey = None, max_running_requests: MaxRunning = 64,
     max_batch_tokens: MaxBatchTokens = 512, kv_cache_mb: KvCacheMb = 512, dtype: Dtype = "auto",
-    quantization: Quantization = "auto", device: Device = "auto", num_threads: Threads = None,
+    quantization: Quantization = "auto", activations: Activations = "auto",
+    device: Device = "auto", num_threads: Threads = None,
     request_timeout: Timeout = 600.0,
     max_queued_requests: MaxQueued = 1024, alive_ttl_s: AliveTtl = 5.0,
     log_level: LogLevel = "info",
@@ -158,7 +165,7 @@ def worker(
         redis_url=redis_url or "redis://127.0.0.1:6379/0", prefix=prefix, model=model,
         host=host, port=port, api_key=api_key, max_running_requests=max_running_requests,
         max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb, dtype=dtype,
-        quantization=quantization, device=device,
+        quantization=quantization, activations=activations, device=device,
         num_threads=num_threads, request_timeout=request_timeout,
         max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s)
     config = _with_worker_id(config, role, worker_id)

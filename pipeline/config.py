@@ -43,6 +43,10 @@ class SchedulerConfig:
     # weights where the checkpoint is exactly that already (a Q4_1/Q8_0 GGUF)
     # | int4: quantize any checkpoint to 4 bits | none
     quantization: str = "auto"
+    # auto: where a 4- or 8-bit weight runs fastest on int8 activations (AVX-512
+    # VNNI without AMX), each row is rounded to 8 bits per group of 32 for it, as
+    # llama.cpp runs a GGUF | exact: activations stay in dtype | int8
+    activations: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     attention_backend: str = "auto"  # auto | torch | flashinfer
     num_threads: int | None = None  # torch intra-op threads; None: torch's default

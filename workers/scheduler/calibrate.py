@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from workers.scheduler import qgemm, qgemm_amx
+from pipeline.errors import ConfigError
+from workers.scheduler import qgemm, qgemm_amx, qgemm_vnni
 from workers.scheduler.linear import Dense, Int4, Int8, Kernels, quantize_int4, quantize_int8
 from workers.scheduler.native import cpu_flags
 
@@ -83,13 +84,25 @@ def qgemm_is_faster(dtype: torch.dtype, in_dim: int, out_dim: int, vocab: int = 
 
 
 def choose_kernels(device: torch.device, dtype: torch.dtype, spec,
-                   quantized: bool = True) -> Kernels:
-    """`quantized`: whether a 4-bit path may run at all (else qgemm is not built)."""
+                   quantized: bool = True, activations: str = "auto") -> Kernels:
+    """`quantized`: whether a 4-bit path may run at all (else qgemm is not built);
+    `activations` (auto | exact | int8): whether qgemm_vnni.c may round them."""
+    if activations not in ("auto", "exact", "int8"):
+        raise ConfigError(f"unknown activations {activations!r}: one of auto, exact, int8")
+    int8 = (device.type == "cpu" and quantized and dtype == torch.bfloat16
+            and qgemm_vnni.load() is not None)
+    if activations == "int8" and not int8:
+        raise ConfigError("activations int8 needs a bfloat16 model on a CPU with avx512_vnni "
+                          "and avx512_bf16, 4- or 8-bit weights, and a C compiler")
     if device.type != "cpu":
         return Kernels()
     shape = (spec.hidden_size, 2 * spec.intermediate_size)  # gate_up: the largest per layer
     onednn = torch.backends.mkldnn.is_available() and onednn_is_faster(dtype, *shape)
-    if quantized and dtype == torch.bfloat16 and qgemm_amx.load() is not None:
+    amx = quantized and dtype == torch.bfloat16 and qgemm_amx.load() is not None
+    if int8 and activations != "exact" and (activations == "int8" or not amx):
+        # every batch, 0.25-0.78x oneDNN bf16's time on an AMD Zen 4 (linear.Kernels)
+        return Kernels(onednn=onednn, vnni=True)
+    if amx:
         # Intel AMX: 0.34-0.69x oneDNN's time from 1 to 64 rows (linear.Kernels)
         return Kernels(onednn=onednn, amx=True)
     return Kernels(onednn=onednn,

@@ -100,11 +100,11 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         spec = read_spec(Path(model_path))
         self.kernels = choose_kernels(self.device, self.dtype, spec,
-                                      config.quantization != "none")
+                                      config.quantization != "none", config.activations)
         self.quantization = resolve_quantization(config.quantization, self.device, config.dtype,
                                                  self.kernels.qgemm)
         if self.quantization == "none":
-            self.kernels = replace(self.kernels, qgemm=False)
+            self.kernels = replace(self.kernels, qgemm=False, vnni=False)
         self.model = LlamaModel.load(Path(model_path), spec, self.device, self.dtype,
                                      self.quantization, self.kernels)
         backend = choose_backend(config.attention_backend, self.device)

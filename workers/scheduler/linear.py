@@ -5,7 +5,8 @@
 # decode step of a few rows is bound by reading weights, and 4 bits are a
 # quarter of bf16's bytes; a big batch is bound by compute, where the dense
 # matmul wins. The 4-bit matmul is torch's kernel or ours (qgemm.py: AVX2 on
-# fp32 activations, AVX-512 bf16 on bf16 ones).
+# fp32 activations, AVX-512 bf16 on bf16 ones; qgemm_amx.py on AMX tiles;
+# qgemm_vnni.py on int8 activations, which serves batches of any size).
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from workers.scheduler import qgemm, qgemm_amx
+import sys
+
+from workers.scheduler import qgemm, qgemm_amx, qgemm_vnni
 
 GROUP = 32
 LOSSLESS = 1e-3  # of a group's scale: the weight was 4- or 8-bit to begin with
@@ -25,6 +28,7 @@ class Kernels:
     onednn: bool = False  # dense through oneDNN on a packed weight rather than torch's matmul
     qgemm: bool = False  # 4- and 8-bit through qgemm.c rather than torch's kernel
     amx: bool = False  # 4- and 8-bit on bf16 activations through qgemm_amx.c
+    vnni: bool = False  # 4- and 8-bit on int8 activations through qgemm_vnni.c
 
     def small_batch(self, dtype: torch.dtype) -> int:
         """Rows up to which the 4-bit path beats the dense matmul, measured as
@@ -41,7 +45,12 @@ class Kernels:
           16; against torch's 4-bit kernel 0.89x at 1 row, 0.84x at 4, 0.79x at 8).
         - qgemm_amx.c beside oneDNN bf16 (Intel Xeon with AMX): 64, one pass of
           its tiles (all 30 layers' weights, streamed: 0.34x oneDNN's time at 1
-          row, 0.46x at 16, 0.55x at 32, 0.69x at 64; two passes at 128 rows: 1.06x)."""
+          row, 0.46x at 16, 0.55x at 32, 0.69x at 64; two passes at 128 rows: 1.06x).
+        - qgemm_vnni.c beside oneDNN bf16 (AMD Zen 4): every batch (0.25-0.3x at
+          1 row, 0.5-0.65x at 16, 0.7x at 64, 0.72-0.78x at 128-512), so the
+          weight keeps no dense copy."""
+        if self.vnni and dtype == torch.bfloat16:
+            return sys.maxsize
         if self.amx and dtype == torch.bfloat16:
             return 64
         if self.qgemm:
@@ -61,13 +70,17 @@ class Dense:
     small_batch = -1  # no narrower copy: every batch is dense
     qgemm: qgemm.Packed | None = None  # the narrow copy in one of our kernels' layouts
     tiled: qgemm_amx.Tiled | None = None
+    vnni: qgemm_vnni.Blocked | None = None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 kernels: Kernels = PLAIN):
+                 kernels: Kernels = PLAIN, dense: bool = True):
         """`weight` as stored, [out, in]: in oneDNN's layout, or kept transposed
-        so a projection is `x @ w`."""
+        so a projection is `x @ w`; no dense copy unless `dense` (a narrow copy
+        that serves every batch)."""
         self.bias = None if bias is None else bias.to(dtype)
         self.onednn_weight = self.weight_t = None
+        if not dense:
+            return
         if kernels.onednn:
             self.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(
                 weight.to(dtype).contiguous(), 64)  # the row count it packs for: a hint only
@@ -97,12 +110,15 @@ class Dense:
                        weight: torch.Tensor) -> Kernels:
         """The kernels this weight's narrow copy runs on (AMX only where it
         fits), and the batch they serve up to."""
-        self.qgemm = self.tiled = None
-        kernels = replace(kernels, amx=uses_amx(kernels, dtype, weight))
+        self.qgemm = self.tiled = self.vnni = None
+        kernels = replace(kernels, amx=uses_amx(kernels, dtype, weight),
+                          vnni=uses_vnni(kernels, dtype, weight))
         self.small_batch = kernels.small_batch(dtype)
         return kernels
 
     def small(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vnni is not None:
+            return qgemm_vnni.matmul(x, self.vnni)
         if self.tiled is not None:
             return qgemm_amx.matmul(x, self.tiled)
         if self.qgemm is not None:
@@ -120,10 +136,12 @@ class Int4(Dense):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  levels: torch.Tensor, scales_zeros: torch.Tensor,
                  kernels: Kernels = PLAIN):
-        super().__init__(weight, bias, dtype, kernels)
+        super().__init__(weight, bias, dtype, kernels, not uses_vnni(kernels, dtype, weight))
         kernels = self._small_kernels(kernels, dtype, weight)
-        if kernels.amx:
-            scale, zero = scales_zeros[..., 0].t(), scales_zeros[..., 1].t()
+        scale, zero = scales_zeros[..., 0].t(), scales_zeros[..., 1].t()
+        if kernels.vnni:
+            self.vnni = qgemm_vnni.pack_q4(levels, scale, zero - 8 * scale)
+        elif kernels.amx:
             self.tiled = qgemm_amx.pack_q4(levels, scale, zero - 8 * scale)
         elif kernels.qgemm:
             self.qgemm = qgemm.pack_q4(levels, scales_zeros, qgemm.blocked_for(dtype))
@@ -144,8 +162,11 @@ class Int8(Dense):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  levels: torch.Tensor, scale: torch.Tensor, kernels: Kernels = PLAIN):
-        super().__init__(weight, bias, dtype, kernels)
+        super().__init__(weight, bias, dtype, kernels, not uses_vnni(kernels, dtype, weight))
         kernels = self._small_kernels(kernels, dtype, weight)
+        if kernels.vnni:
+            self.vnni = qgemm_vnni.pack_q8(levels, scale.reshape(levels.shape[0], -1))
+            return
         if kernels.amx:
             self.tiled = qgemm_amx.pack_q8(levels, scale.reshape(levels.shape[0], -1))
             return
@@ -170,6 +191,11 @@ class Int8(Dense):
 def uses_amx(kernels: Kernels, dtype: torch.dtype, weight: torch.Tensor) -> bool:
     return (kernels.amx and dtype == torch.bfloat16
             and qgemm_amx.fits(*weight.shape) and qgemm_amx.load() is not None)
+
+
+def uses_vnni(kernels: Kernels, dtype: torch.dtype, weight: torch.Tensor) -> bool:
+    return (kernels.vnni and dtype == torch.bfloat16
+            and qgemm_vnni.fits(*weight.shape) and qgemm_vnni.load() is not None)
 
 
 def on_grid(exact: torch.Tensor, low: int, high: int) -> tuple[torch.Tensor, float]:

@@ -277,8 +277,9 @@ class Scheduler:
         return {"model": self.config.model, "dtype": str(engine.dtype).removeprefix("torch."),
                 "quantization": engine.quantization,
                 "dense_matmul": "onednn" if engine.kernels.onednn else "torch",
-                "4bit_matmul": ("amx" if engine.kernels.amx else "qgemm" if engine.kernels.qgemm
-                                else "torch"),
+                "4bit_matmul": ("vnni" if engine.kernels.vnni else "amx" if engine.kernels.amx
+                                else "qgemm" if engine.kernels.qgemm else "torch"),
+                "activations": "int8" if engine.kernels.vnni else "exact",
                 "num_expired": self.num_expired} | asdict(
             engine.stats())
 

@@ -1,0 +1,151 @@
+/* 4- and 8-bit weights times int8 activations by AVX-512 VNNI (vpdpbusd), for
+   CPUs with avx512_vnni but no AMX: y[m, n] = sum_k x[m, k] w[n, k], in groups
+   of 32 along k, as llama.cpp runs a Q4_1 or Q8_0 GGUF (its Q8_1 activations).
+   - x (bf16) is rounded per row and group to int8 levels: x ~ sx * qx, sx =
+     max |x| / 127. Each group keeps sx and sx * sum qx.
+   - w = scale * qw + low per output and group, qw unsigned (4-bit 0..15; 8-bit
+     stored as level + 128, low = -128 scale), so
+     y = sum_g sx (scale * sum qw qx + low * sum qx): the integer dot is exact.
+   - The weight is blocked by 16 outputs (one zmm lane each, 4 inputs a lane):
+     for every 16 outputs and group, the levels (4-bit: 4 x 64 bytes, inputs
+     4j..4j+3 in the low nibbles of part j and 16+4j.. in the high; 8-bit: 8 x
+     64 bytes), then 16 fp32 scales and 16 fp32 lows.
+   One weight block serves R rows from L1; y is fp32, or bf16 (nearest even). */
+
+#include <stdlib.h>
+
+#include "kernels.h"
+
+enum { GROUP = 32, LANES = 16 };
+#ifndef ROWS
+#define ROWS 12 /* rows a weight block serves from registers */
+#endif
+#ifndef PREFETCH
+#define PREFETCH 4096  /* bytes ahead of the block in use (1024-4096: within 5%) */
+#endif
+
+static inline int block_bytes(int bits) { return (bits == 4 ? 256 : 512) + 2 * 64; }
+
+/* Row m's groups: int8 levels into q, sx and sx * sum q into scales[2 g], [2 g + 1]. */
+static void quantize_row(const uint16_t *x, int K, int8_t *q, float *scales) {
+    for (int g = 0; g < K / GROUP; g++) {
+        __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + g * GROUP))), 16));
+        __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + g * GROUP + 16))),
+            16));
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        float sx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+        __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+        _mm_storeu_si128((__m128i *)(q + g * GROUP), _mm512_cvtsepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(q + g * GROUP + 16), _mm512_cvtsepi32_epi8(qhi));
+        int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        scales[2 * g] = sx;
+        scales[2 * g + 1] = sx * (float)sum;
+    }
+}
+
+/* Outputs n..n+15 by R rows from m. */
+static inline __attribute__((always_inline)) void tile(
+        const int8_t *q, const float *xs, int K, const uint8_t *w, void *y, int bf16_out,
+        int N, int n, int m, const int R, const int BITS) {
+    const int G = K / GROUP, block = block_bytes(BITS);
+    __m512 acc[ROWS];
+    #pragma GCC unroll 12
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++, w += block) {
+        _mm_prefetch((const char *)w + PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)w + PREFETCH + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)w + PREFETCH + 128, _MM_HINT_T0);
+        _mm_prefetch((const char *)w + PREFETCH + 192, _MM_HINT_T0);
+        if (BITS == 8) {
+            _mm_prefetch((const char *)w + PREFETCH + 256, _MM_HINT_T0);
+            _mm_prefetch((const char *)w + PREFETCH + 320, _MM_HINT_T0);
+        }
+        __m512i levels[8];
+        if (BITS == 4) {
+            const __m512i mask = _mm512_set1_epi8(0x0F);
+            #pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                __m512i packed = _mm512_loadu_si512(w + 64 * j);
+                levels[j] = _mm512_and_si512(packed, mask);
+                levels[j + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
+            }
+        } else {
+            #pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) levels[j] = _mm512_loadu_si512(w + 64 * j);
+        }
+        const float *per = (const float *)(w + (BITS == 4 ? 256 : 512));
+        __m512 scale = _mm512_loadu_ps(per), low = _mm512_loadu_ps(per + LANES);
+        #pragma GCC unroll 12
+        for (int r = 0; r < R; r++) {
+            const int32_t *qx = (const int32_t *)(q + (int64_t)(m + r) * K + g * GROUP);
+            __m512i dot = _mm512_setzero_si512();
+            #pragma GCC unroll 8
+            for (int j = 0; j < 8; j++)
+                dot = _mm512_dpbusd_epi32(dot, levels[j], _mm512_set1_epi32(qx[j]));
+            const float *s = xs + ((int64_t)(m + r) * G + g) * 2;
+            __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), scale);
+            acc[r] = _mm512_fmadd_ps(scaled, _mm512_set1_ps(s[0]), acc[r]);
+            acc[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(s[1]), acc[r]);
+        }
+    }
+    #pragma GCC unroll 12
+    for (int r = 0; r < R; r++) {
+        int64_t at = (int64_t)(m + r) * N + n;
+        if (bf16_out)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)y + at),
+                                (__m256i)_mm512_cvtneps_pbh(acc[r]));
+        else
+            _mm512_storeu_ps((float *)y + at, acc[r]);
+    }
+}
+
+#define T(R) tile(q, xs, K, w + (int64_t)(n / LANES) * G * block, y, bf16_out, N, n, m, R, \
+                  BITS)
+
+static inline __attribute__((always_inline)) void gemm(
+        const uint16_t *x, int M, int K, const uint8_t *w, void *y, int bf16_out, int N,
+        const int BITS) {
+    const int G = K / GROUP, block = block_bytes(BITS);
+    int8_t *q = malloc((size_t)M * K);
+    float *xs = malloc(sizeof(float) * 2 * (size_t)M * G);
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int m = 0; m < M; m++)
+            quantize_row(x + (int64_t)m * K, K, q + (int64_t)m * K, xs + (int64_t)m * 2 * G);
+        #pragma omp for schedule(static)
+        for (int n = 0; n < N; n += LANES) {
+            int m = 0;
+            for (; m + ROWS <= M; m += ROWS) T(ROWS);
+            switch (M - m) {
+            case 11: T(11); break;
+            case 10: T(10); break;
+            case 9: T(9); break;
+            case 8: T(8); break;
+            case 7: T(7); break;
+            case 6: T(6); break;
+            case 5: T(5); break;
+            case 4: T(4); break;
+            case 3: T(3); break;
+            case 2: T(2); break;
+            case 1: T(1); break;
+            }
+        }
+    }
+    free(q);
+    free(xs);
+}
+
+/* x bf16 [M, K], N a multiple of 16, K of 32. Threads: torch's OpenMP pool. */
+void q4_gemm_vnni(const uint16_t *x, int M, int K, const uint8_t *w, void *y, int bf16_out,
+                  int N) {
+    gemm(x, M, K, w, y, bf16_out, N, 4);
+}
+
+void q8_gemm_vnni(const uint16_t *x, int M, int K, const uint8_t *w, void *y, int bf16_out,
+                  int N) {
+    gemm(x, M, K, w, y, bf16_out, N, 8);
+}
