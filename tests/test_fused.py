@@ -85,3 +85,18 @@ def test_avx512_build_matches_the_avx2_one(dtype):
     weight = torch.rand(576, generator=generator).to(dtype)
     outs = [ops.add_rms_norm(h.clone(), delta, weight, 1e-5) for ops in (wide, narrow)]
     assert (outs[0].float() - outs[1].float()).abs().max().item() <= 2e-2
+
+
+@pytest.mark.parametrize("width", [7, 16, 49152 + 5])  # a tail only, one vector, vectors + tail
+def test_argmax_rows_is_torchs_argmax_in_either_build(width):
+    """The first of equal maxima, with ties and -inf rows, in the AVX-512 build
+    (where the CPU has it) and the AVX2 one."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 30, (9, width), generator=generator).float()  # many ties
+    logits[1] = float("-inf")
+    logits[2, -1] = 100.0  # the best in the tail
+    logits[3] = 0.0
+    for lib in {fused.load(), native.load(fused.SOURCE, fused.SIGNATURES)}:
+        out = torch.empty(9, dtype=torch.long)
+        lib.argmax_rows(logits.data_ptr(), 9, width, out.data_ptr())
+        assert torch.equal(out, logits.argmax(-1))

@@ -70,7 +70,7 @@ class NativeOps(TorchOps):
 
 
 P, I32, I64, F32 = native.P, native.I32, native.I64, native.F32
-SIGNATURES = {"add_rms_norm": [P, P, P, P, I32, I32, F32, I32],
+SIGNATURES = {"add_rms_norm": [P, P, P, P, I32, I32, F32, I32], "argmax_rows": [P, I32, I32, P],
               "rope": [P, I64, I32, I32, I32, P, P, P, I32], "silu_mul": [P, P, I32, I32, I32]}
 
 

@@ -92,3 +92,35 @@ void silu_mul(const void *gate_up, void *out, int rows, int n, int bf16) {
         store_row(g, bf16, (char *)out + (int64_t)width * r * n, n);
     }
 }
+
+/* out[r] = the index of row r's largest value in x [rows, n] fp32, the first of
+   equal maxima (torch's argmax; NaNs are passed over: no model's logits hold one). */
+void argmax_rows(const float *x, int rows, int n, int64_t *out) {
+    #pragma omp parallel for if (rows >= 4) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const float *row = x + (int64_t)r * n;
+        float best = -INFINITY;
+        int at = 0, i = 0;
+#ifdef __AVX512F__
+        if (n >= 16) {  /* per lane the first of its maxima, then the lowest index of the best */
+            __m512 top = _mm512_loadu_ps(row);
+            __m512i where = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+            __m512i index = where;
+            for (i = 16; i + 16 <= n; i += 16) {
+                index = _mm512_add_epi32(index, _mm512_set1_epi32(16));
+                __m512 v = _mm512_loadu_ps(row + i);
+                __mmask16 higher = _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ);
+                top = _mm512_mask_blend_ps(higher, top, v);
+                where = _mm512_mask_blend_epi32(higher, where, index);
+            }
+            best = _mm512_reduce_max_ps(top);
+            __mmask16 ties = _mm512_cmp_ps_mask(top, _mm512_set1_ps(best), _CMP_EQ_OQ);
+            at = _mm512_mask_reduce_min_epi32(ties, where);
+            if (!ties) best = -INFINITY, at = 0;  /* a row of NaNs */
+        }
+#endif
+        for (; i < n; i++)
+            if (row[i] > best) best = row[i], at = i;
+        out[r] = at;
+    }
+}

@@ -18,7 +18,7 @@
 
 enum { GROUP = 32, LANES = 16 };
 #ifndef ROWS
-#define ROWS 12 /* rows a weight block serves from registers */
+#define ROWS 12  /* rows a weight block serves from registers, at most */
 #endif
 #ifndef PREFETCH
 #define PREFETCH 4096  /* bytes ahead of the block in use (1024-4096: within 5%) */
@@ -55,14 +55,8 @@ static inline __attribute__((always_inline)) void tile(
     #pragma GCC unroll 12
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++, w += block) {
-        _mm_prefetch((const char *)w + PREFETCH, _MM_HINT_T0);
-        _mm_prefetch((const char *)w + PREFETCH + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)w + PREFETCH + 128, _MM_HINT_T0);
-        _mm_prefetch((const char *)w + PREFETCH + 192, _MM_HINT_T0);
-        if (BITS == 8) {
-            _mm_prefetch((const char *)w + PREFETCH + 256, _MM_HINT_T0);
-            _mm_prefetch((const char *)w + PREFETCH + 320, _MM_HINT_T0);
-        }
+        for (int at = 0; at < block; at += 64)  /* 6 or 10 lines */
+            _mm_prefetch((const char *)w + PREFETCH + at, _MM_HINT_T0);
         __m512i levels[8];
         if (BITS == 4) {
             const __m512i mask = _mm512_set1_epi8(0x0F);
@@ -118,20 +112,24 @@ static inline __attribute__((always_inline)) void gemm(
             quantize_row(x + (int64_t)m * K, K, q + (int64_t)m * K, xs + (int64_t)m * 2 * G);
         #pragma omp for schedule(static)
         for (int n = 0; n < N; n += LANES) {
-            int m = 0;
-            for (; m + ROWS <= M; m += ROWS) T(ROWS);
-            switch (M - m) {
-            case 11: T(11); break;
-            case 10: T(10); break;
-            case 9: T(9); break;
-            case 8: T(8); break;
-            case 7: T(7); break;
-            case 6: T(6); break;
-            case 5: T(5); break;
-            case 4: T(4); break;
-            case 3: T(3); break;
-            case 2: T(2); break;
-            case 1: T(1); break;
+            /* rows in blocks of near-equal size (16: 8 + 8, not 12 + 4) */
+            for (int m = 0, rows; m < M; m += rows) {
+                int blocks = (M - m + ROWS - 1) / ROWS;
+                rows = (M - m + blocks - 1) / blocks;
+                switch (rows) {
+                case 12: T(12); break;
+                case 11: T(11); break;
+                case 10: T(10); break;
+                case 9: T(9); break;
+                case 8: T(8); break;
+                case 7: T(7); break;
+                case 6: T(6); break;
+                case 5: T(5); break;
+                case 4: T(4); break;
+                case 3: T(3); break;
+                case 2: T(2); break;
+                default: T(1); break;
+                }
             }
         }
     }
