@@ -100,8 +100,10 @@ def choose_kernels(device: torch.device, dtype: torch.dtype, spec,
     onednn = torch.backends.mkldnn.is_available() and onednn_is_faster(dtype, *shape)
     amx = quantized and dtype == torch.bfloat16 and qgemm_amx.load() is not None
     if int8 and activations != "exact" and (activations == "int8" or not amx):
-        # every batch, 0.25-0.78x oneDNN bf16's time on an AMD Zen 4 (linear.Kernels)
-        return Kernels(onednn=onednn, vnni=True)
+        # every batch, 0.25-0.78x oneDNN bf16's time on an AMD Zen 4 (linear.Kernels);
+        # qgemm for the projections that keep exact activations (model.LlamaModel)
+        return Kernels(onednn=onednn, vnni=True,
+                       qgemm=qgemm_is_faster(dtype, *shape, spec.vocab_size))
     if amx:
         # Intel AMX: 0.34-0.69x oneDNN's time from 1 to 64 rows (linear.Kernels)
         return Kernels(onednn=onednn, amx=True)

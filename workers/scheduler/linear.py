@@ -10,11 +10,10 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 
 import torch
-
-import sys
 
 from workers.scheduler import qgemm, qgemm_amx, qgemm_vnni
 

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -97,15 +97,20 @@ class LlamaModel:
         self.ops = choose_ops(device, dtype)
 
     def _layer(self, get, weights: dict, p: str, device: torch.device) -> Layer:
-        def linear(names: list[str], bias: bool = False) -> Dense:
+        def linear(names: list[str], bias: bool = False, exact: bool = False) -> Dense:
+            """`exact`: activations stay in dtype whatever the kernels' int8 choice."""
             weight = torch.cat([weights[n + ".weight"] for n in names]).to(device)
             b = torch.cat([weights[n + ".bias"] for n in names]).to(device) if bias else None
-            return make_linear(weight, b, self.dtype, self.quantization, self.kernels)
+            kernels = replace(self.kernels, vnni=False) if exact else self.kernels
+            return make_linear(weight, b, self.dtype, self.quantization, kernels)
 
         attn = p + "self_attn."
         return Layer(
             input_norm=get(p + "input_layernorm.weight"),
-            qkv=linear([attn + f"{n}_proj" for n in "qkv"], bias=self.spec.qkv_bias),
+            # q and k errors go through attention's softmax: int8 activations there
+            # turned greedy "The capital of France is Paris." into "L'Etoile, la
+            # Marseillaise," (the rest in int8 keeps it: tests/test_bf16.py)
+            qkv=linear([attn + f"{n}_proj" for n in "qkv"], bias=self.spec.qkv_bias, exact=True),
             q_norm=get(attn + "q_norm.weight") if self.spec.qk_norm else None,
             k_norm=get(attn + "k_norm.weight") if self.spec.qk_norm else None,
             o=linear([attn + "o_proj"]), post_norm=get(p + "post_attention_layernorm.weight"),

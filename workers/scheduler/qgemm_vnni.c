@@ -9,7 +9,8 @@
    - The weight is blocked by 16 outputs (one zmm lane each, 4 inputs a lane):
      for every 16 outputs and group, the levels (4-bit: 4 x 64 bytes, inputs
      4j..4j+3 in the low nibbles of part j and 16+4j.. in the high; 8-bit: 8 x
-     64 bytes), then 16 fp32 scales and 16 fp32 lows.
+     64 bytes), then 16 fp16 scales and 16 fp16 lows (a GGUF's own fp16 d and
+     m: exact; 0.85x the time of fp32 ones at 1 row, where weights stream).
    One weight block serves R rows from L1; y is fp32, or bf16 (nearest even). */
 
 #include <stdlib.h>
@@ -24,7 +25,7 @@ enum { GROUP = 32, LANES = 16 };
 #define PREFETCH 4096  /* bytes ahead of the block in use (1024-4096: within 5%) */
 #endif
 
-static inline int block_bytes(int bits) { return (bits == 4 ? 256 : 512) + 2 * 64; }
+static inline int block_bytes(int bits) { return (bits == 4 ? 256 : 512) + 2 * 32; }
 
 /* Row m's groups: int8 levels into q, sx and sx * sum q into scales[2 g], [2 g + 1]. */
 static void quantize_row(const uint16_t *x, int K, int8_t *q, float *scales) {
@@ -70,8 +71,9 @@ static inline __attribute__((always_inline)) void tile(
             #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) levels[j] = _mm512_loadu_si512(w + 64 * j);
         }
-        const float *per = (const float *)(w + (BITS == 4 ? 256 : 512));
-        __m512 scale = _mm512_loadu_ps(per), low = _mm512_loadu_ps(per + LANES);
+        const __m256i *per = (const __m256i *)(w + (BITS == 4 ? 256 : 512));
+        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(per));
+        __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256(per + 1));
         #pragma GCC unroll 12
         for (int r = 0; r < R; r++) {
             const int32_t *qx = (const int32_t *)(q + (int64_t)(m + r) * K + g * GROUP);

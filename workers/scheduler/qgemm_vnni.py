@@ -26,17 +26,18 @@ LANES = 16  # outputs per block: one zmm lane each
 @dataclass(frozen=True)
 class Blocked:
     """One weight in the kernel's layout (qgemm_vnni.c): [out / 16, groups,
-    block] bytes, a block the 16 outputs' levels for a group, then their fp32
-    scales and lows."""
+    block] bytes, a block the 16 outputs' levels for a group, then their fp16
+    scales and lows (exact for a GGUF, whose are fp16; else rounded, 2^-11 of
+    a scale at most)."""
     bits: int
     q: torch.Tensor
     out_dim: int
 
 
 def _per_block(values: torch.Tensor) -> torch.Tensor:
-    """fp32 [out, groups] -> the bytes of [out / 16, groups, 16]."""
+    """[out, groups] -> the bytes of fp16 [out / 16, groups, 16]."""
     out_dim, groups = values.shape
-    per = values.float().reshape(out_dim // LANES, LANES, groups).transpose(1, 2)
+    per = values.half().reshape(out_dim // LANES, LANES, groups).transpose(1, 2)
     return per.contiguous().view(torch.uint8)
 
 
