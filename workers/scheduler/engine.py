@@ -24,6 +24,7 @@ from workers.scheduler.attention import (
 from workers.scheduler.batcher import Batcher, StepPlan
 from workers.scheduler.blocks import BlockAllocator
 from workers.scheduler.calibrate import choose_kernels, cpu_has_bf16, faster_cpu_dtype
+from workers.scheduler.layers import Driver
 from workers.scheduler.model import LlamaModel, read_spec
 from workers.scheduler.sampler import Sampled, Sampler
 from workers.scheduler.sequence import Sequence
@@ -116,6 +117,7 @@ class Engine:
         self.cache = make_cache(backend, spec.num_layers, num_blocks, config.block_size,
                                 spec.num_kv_heads, spec.head_dim, self.dtype, self.device)
         self.attention = make_backend(backend, self.cache, spec, self.device)
+        self.model.driver = Driver.build(self.model, self.attention)
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self.batcher = Batcher(self.allocator, config.max_running_requests,
                                config.max_batch_tokens)

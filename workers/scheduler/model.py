@@ -95,6 +95,7 @@ class LlamaModel:
                        for i in range(spec.num_layers)]
         self.cos, self.sin = rope_tables(spec, device, dtype)
         self.ops = choose_ops(device, dtype)
+        self.driver = None  # layers.Driver: every layer in one C call, where it applies
 
     def _layer(self, get, weights: dict, p: str, device: torch.device) -> Layer:
         def linear(names: list[str], bias: bool = False, exact: bool = False) -> Dense:
@@ -133,6 +134,9 @@ class LlamaModel:
         `attend(layer_index, q, k, v)` writes k, v to the cache and attends."""
         spec, ops, eps = self.spec, self.ops, self.spec.rms_eps
         h = self.embed[input_ids]  # the residual stream, updated in place
+        if self.driver is not None and self.driver.takes(h.shape[0], attend):
+            self.driver(h, positions)  # the same kernels as below, in one call
+            return self.lm_head.logits(rms_norm(h[logit_rows], self.norm, eps))
         num_q, num_kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         x = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):

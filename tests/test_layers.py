@@ -1,0 +1,55 @@
+"""layers.c: all decoder layers of a step in one C call give bit for bit the
+logits of the Python forward pass over the same kernels, for a prefill and
+for decode steps; steps it does not take stay in Python."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.config import SchedulerConfig
+from pipeline.messages import Sampling
+from workers.scheduler.engine import Engine, EngineRequest
+from workers.scheduler.layers import Driver
+
+
+def all_logits(engine: Engine, plan) -> torch.Tensor:
+    """Logits of every row of `plan` (the forward pass Engine.run makes)."""
+    tables = [engine.allocator.block_table(c.seq.request_id) for c in plan.chunks]
+    engine.attention.prepare(plan, tables, engine.device)
+    with torch.inference_mode():
+        return engine.model.forward(torch.tensor(plan.input_ids()),
+                                    torch.tensor(plan.positions()),
+                                    torch.arange(plan.num_tokens), engine.attention)
+
+
+@pytest.fixture(scope="module")
+def engine(model_files):
+    engine = Engine(model_files.path, SchedulerConfig(dtype="bfloat16", max_batch_tokens=12))
+    if engine.model.driver is None:
+        pytest.skip("some kernel of a layer is not ours on this host (layers.Driver.build)")
+    return engine
+
+
+def test_one_call_gives_the_python_forwards_logits(engine):
+    driver = engine.model.driver
+    sampling = Sampling(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(([1, 2, 3, 4, 5], [9, 8, 7, 6, 5, 4, 3])):
+        engine.add(EngineRequest(str(i), prompt, [], sampling))
+    for _ in range(4):  # a prefill of 12 tokens, then decode steps of 2 rows
+        plan = engine.batcher.schedule()
+        assert plan.num_tokens <= driver.max_rows
+        # each forward writes the step's keys and values to the same slots
+        engine.model.driver = None
+        python = all_logits(engine, plan)
+        engine.model.driver = driver
+        assert torch.equal(all_logits(engine, plan), python)
+        engine.postprocess(plan, engine.run(plan))
+    while engine.has_work():
+        engine.step()
+
+
+def test_wider_steps_and_fp32_models_stay_in_python(engine, model_files):
+    assert not engine.model.driver.takes(engine.model.driver.max_rows + 1, engine.attention)
+    fp32 = Engine(model_files.path, SchedulerConfig(dtype="float32"))
+    assert fp32.model.driver is None and Driver.build(fp32.model, fp32.attention) is None

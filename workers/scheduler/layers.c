@@ -1,0 +1,70 @@
+/* Every decoder layer of one step in one call (layers.py), for a bf16 model
+   whose kernels are all ours at the step's row count: a decode step of a few
+   rows otherwise spends about a third of its time in Python between its ~300
+   kernel calls. The kernels come as pointers into their own libraries and are
+   called in the order, and on the buffers, that model.LlamaModel.forward uses,
+   so the hidden states come out bit for bit the same. */
+
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef void (*gemm_fn)(const void *x, int rows, int in, const void *w, void *y, int bf16_out,
+                        int out);
+typedef void (*norm_fn)(void *h, const void *delta, const void *weight, void *out, int rows,
+                        int n, float eps, int bf16);
+typedef void (*rope_fn)(void *x, int64_t stride, int rows, int heads, int dim,
+                        const int64_t *positions, const void *cos, const void *sin, int bf16);
+typedef void (*silu_fn)(const void *gate_up, void *out, int rows, int n, int bf16);
+typedef void (*attend_fn)(const void *q, int64_t q_stride, const void *k, int64_t k_stride,
+                          const void *v, int64_t v_stride, int bf16, int rows,
+                          const int64_t *slots, int batch, int heads, int kv_heads, int dim,
+                          void *k_cache, void *v_cache, int64_t cache_slots,
+                          const int32_t *tables, int table_width, const int32_t *lengths,
+                          int block_size, float scale, void *out);
+
+typedef struct { gemm_fn fn; const void *w; } Proj;
+typedef struct {
+    Proj qkv, o, gate_up, down;
+    const void *input_norm, *post_norm;
+    void *k_cache, *v_cache;
+} Layer;
+typedef struct {
+    norm_fn norm; rope_fn rope; silu_fn silu; attend_fn attend;
+    int hidden, inter, heads, kv_heads, dim;
+    float eps, scale;
+    int64_t cache_slots;
+} Model;
+typedef struct {  /* the attention kernel's per-step arguments (paged.InPlace.prepare) */
+    const int64_t *slots; int batch; const int32_t *tables; int width;
+    const int32_t *lengths; int block_size;
+} Step;
+
+/* h [rows, hidden] bf16, the residual stream after the embedding, updated in place. */
+void decode_layers(const Model *m, const Layer *layers, int num_layers, const Step *s,
+                   int rows, const int64_t *positions, const void *cos, const void *sin,
+                   uint16_t *h) {
+    const int nq = m->heads * m->dim, nkv = m->kv_heads * m->dim, width = nq + 2 * nkv;
+    const size_t r = (size_t)rows;
+    uint16_t *x = malloc(2 * r * m->hidden), *qkv = malloc(2 * r * width);
+    uint16_t *att = malloc(2 * r * nq), *delta = malloc(2 * r * m->hidden);
+    uint16_t *gate_up = malloc(4 * r * m->inter), *act = malloc(2 * r * m->inter);
+    m->norm(h, NULL, layers[0].input_norm, x, rows, m->hidden, m->eps, 1);
+    for (int l = 0; l < num_layers; l++) {
+        const Layer *L = layers + l;
+        L->qkv.fn(x, rows, m->hidden, L->qkv.w, qkv, 1, width);
+        m->rope(qkv, width, rows, m->heads + m->kv_heads, m->dim, positions, cos, sin, 1);
+        m->attend(qkv, width, qkv + nq, width, qkv + nq + nkv, width, 1, rows, s->slots,
+                  s->batch, m->heads, m->kv_heads, m->dim, L->k_cache, L->v_cache,
+                  m->cache_slots, s->tables, s->width, s->lengths, s->block_size, m->scale,
+                  att);
+        L->o.fn(att, rows, nq, L->o.w, delta, 1, m->hidden);
+        m->norm(h, delta, L->post_norm, x, rows, m->hidden, m->eps, 1);
+        L->gate_up.fn(x, rows, m->hidden, L->gate_up.w, gate_up, 1, 2 * m->inter);
+        m->silu(gate_up, act, rows, m->inter, 1);
+        L->down.fn(act, rows, m->inter, L->down.w, delta, 1, m->hidden);
+        /* the next layer's norm; after the last, only h += delta (x is not used) */
+        const void *next = l + 1 < num_layers ? layers[l + 1].input_norm : L->post_norm;
+        m->norm(h, delta, next, x, rows, m->hidden, m->eps, 1);
+    }
+    free(x); free(qkv); free(att); free(delta); free(gate_up); free(act);
+}
