@@ -209,14 +209,15 @@ def test_quantization_modes_resolve_by_device_and_dtype():
 
 def test_qgemm_without_a_compiler_leaves_torchs_kernel(tmp_path):
     """A host with no C compiler (or a failing one) serves on torch's kernels."""
-    script = ("import torch; from workers.scheduler import qgemm, qgemm_amx, calibrate, fused, "
-              "paged; print(qgemm.load() is None, calibrate.qgemm_is_faster(torch.bfloat16, 576, "
-              "1536), paged.load() is None, qgemm_amx.load() is None, "
+    script = ("import torch; from workers.scheduler import qgemm, qgemm_amx, qgemm_vnni, "
+              "calibrate, fused, layers, paged; print(qgemm.load() is None, "
+              "calibrate.qgemm_is_faster(torch.bfloat16, 576, 1536), paged.load() is None, "
+              "qgemm_amx.load() is None, qgemm_vnni.load() is None, layers.load() is None, "
               "type(fused.choose_ops(torch.device('cpu'), torch.float32)).__name__)")
     env = {**os.environ, "CC": "/bin/false", "XDG_CACHE_HOME": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=120, check=True)
-    assert done.stdout.split() == ["True", "False", "True", "True", "TorchOps"]
+    assert done.stdout.split() == ["True", "False", "True", "True", "True", "True", "TorchOps"]
     assert not list(tmp_path.rglob("*.so"))  # no half-written library left behind
 
 

@@ -110,3 +110,7 @@ def load() -> ctypes.CDLL | None:
         return None
     I32 = native.I32
     return native.load(SOURCE, {"decode_layers": [P, P, I32, P, I32, P, P, P, P]})
+
+
+def build() -> Path:
+    return native.build(SOURCE)
