@@ -28,6 +28,7 @@ class Kernels:
     qgemm: bool = False  # 4- and 8-bit through qgemm.c rather than torch's kernel
     amx: bool = False  # 4- and 8-bit on bf16 activations through qgemm_amx.c
     vnni: bool = False  # 4- and 8-bit on int8 activations through qgemm_vnni.c
+    qgemm_rows: int = 0  # rows qgemm serves up to; 0: its crossover below
 
     def small_batch(self, dtype: torch.dtype) -> int:
         """Rows up to which the 4-bit path beats the dense matmul, measured as
@@ -53,7 +54,7 @@ class Kernels:
         if self.amx and dtype == torch.bfloat16:
             return 64
         if self.qgemm:
-            return 40 if dtype == torch.float32 else 12
+            return self.qgemm_rows or (40 if dtype == torch.float32 else 12)
         if self.onednn:
             return 12 if dtype == torch.float32 else 10
         return {torch.bfloat16: 32, torch.float32: 16}.get(dtype, -1)
