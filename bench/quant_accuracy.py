@@ -3,7 +3,8 @@ transformers' fp32 model, on chat prompts: mean KL(fp32 || ours) per token and
 top-1 agreement. Covers what we ship (bf16, the lossless 4/8-bit path, which
 matches bf16 when every row takes it) and what we measured and did not ship
 (int8 weights and dynamic per-token int8 activations, as torch._int_mm would
-run them). Run: .venv/bin/python bench/quant_accuracy.py"""
+run them), and the shipped int8 activations per group of 32 (qgemm_vnni.c, where
+the CPU has VNNI), with and without qkv. Run: .venv/bin/python bench/quant_accuracy.py"""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_model import TEXTS, all_logits, reference_logits  # noqa: E402
 
 from pipeline.models import DEFAULT_MODEL, resolve_model  # noqa: E402
-from workers.scheduler.linear import Dense  # noqa: E402
+from workers.scheduler import qgemm_vnni  # noqa: E402
+from workers.scheduler.linear import Dense, Kernels, make_linear  # noqa: E402
 from workers.scheduler.model import LlamaModel, read_spec  # noqa: E402
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
@@ -85,6 +88,8 @@ def main() -> None:
     variants = {
         "bf16 (shipped)": lambda: LlamaModel.load(path, spec, cpu, torch.bfloat16),
         "bf16 + lossless 4/8-bit, every row (shipped)": lambda: lossless_everywhere(path, spec),
+        "bf16 + int8 act., qkv exact (shipped, VNNI)": lambda: vnni(path, spec, False),
+        "bf16 + int8 act., qkv too (VNNI)": lambda: vnni(path, spec, True),
         "fp32, int8 weights": lambda: simulated(path, spec, weights=True, activations=False),
         "fp32, int8 activations": lambda: simulated(path, spec, weights=False, activations=True),
         "fp32, W8A8": lambda: simulated(path, spec, weights=True, activations=True),
@@ -93,7 +98,11 @@ def main() -> None:
     print(f"{'variant':<46} {'mean KL':>8} {'top-1 agree':>12}")
     with torch.inference_mode():
         for name, build in variants.items():
-            kl, agree = distance(all_logits(build(), prompts), reference)
+            model = build()
+            if model is None:
+                print(f"{name:<46} {'(no kernel on this CPU)':>21}")
+                continue
+            kl, agree = distance(all_logits(model, prompts), reference)
             print(f"{name:<46} {kl:8.4f} {agree:12.3f}", flush=True)
 
 
@@ -103,6 +112,22 @@ def lossless_everywhere(path: Path, spec) -> LlamaModel:
                                      for name in PROJECTIONS]:
         if type(linear) is not Dense:  # the 4/8-bit kernels even for the whole prompt
             linear.small_batch = 1 << 30
+    return model
+
+
+def vnni(path: Path, spec, qkv: bool) -> LlamaModel | None:
+    """The real kernel (qgemm_vnni.c); `qkv`: on the qkv projection too."""
+    if qgemm_vnni.load() is None:
+        return None
+    kernels = Kernels(onednn=True, vnni=True)
+    model = LlamaModel.load(path, spec, torch.device("cpu"), torch.bfloat16, "lossless", kernels)
+    if qkv:  # rebuilt from the checkpoint without the model's exact flag
+        file = next(path.glob("*.safetensors"))
+        with safe_open(str(file), framework="pt") as f:
+            for i, layer in enumerate(model.layers):
+                weight = torch.cat([f.get_tensor(f"model.layers.{i}.self_attn.{n}_proj.weight")
+                                    for n in "qkv"])
+                layer.qkv = make_linear(weight, None, torch.bfloat16, "lossless", kernels)
     return model
 
 
