@@ -2,7 +2,7 @@
    whose kernels are all ours at the step's row count: a decode step of a few
    rows otherwise spends about a third of its time in Python between its ~300
    kernel calls. The kernels come as pointers into their own libraries and are
-   called in the order, and on the buffers, that model.LlamaModel.forward uses,
+   called in the order, and on the buffers, that model.LlamaModel._layers uses,
    so the hidden states come out bit for bit the same. */
 
 #include <stdint.h>

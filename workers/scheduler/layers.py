@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from workers.scheduler import fused, native, paged, qgemm_vnni
+from workers.scheduler import fused, native, paged
 from workers.scheduler.linear import Dense
 
 SOURCE = Path(__file__).with_name("layers.c")
@@ -50,13 +50,10 @@ def kernel_of(linear: Dense) -> tuple[int, int, int] | None:
     kernel of layers.c's matmul signature; None elsewhere."""
     if linear.bias is not None:
         return None
-    if linear.vnni is not None:
-        lib = qgemm_vnni.load()
-        fn = lib.q4_gemm_vnni if linear.vnni.bits == 4 else lib.q8_gemm_vnni
-        return address(fn), linear.vnni.q.data_ptr(), linear.small_batch
-    if linear.qgemm is not None and linear.qgemm.blocked:
-        return address(linear.qgemm.kernel), linear.qgemm.q.data_ptr(), linear.small_batch
-    return None
+    packed = linear.vnni or (linear.qgemm if linear.qgemm and linear.qgemm.blocked else None)
+    if packed is None:
+        return None
+    return address(packed.kernel), packed.q.data_ptr(), linear.small_batch
 
 
 class Driver:

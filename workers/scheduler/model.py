@@ -132,11 +132,16 @@ class LlamaModel:
                 attend) -> torch.Tensor:
         """Hidden states of all tokens, logits (fp32) only of `logit_rows`.
         `attend(layer_index, q, k, v)` writes k, v to the cache and attends."""
-        spec, ops, eps = self.spec, self.ops, self.spec.rms_eps
         h = self.embed[input_ids]  # the residual stream, updated in place
         if self.driver is not None and self.driver.takes(h.shape[0], attend):
-            self.driver(h, positions)  # the same kernels as below, in one call
-            return self.lm_head.logits(rms_norm(h[logit_rows], self.norm, eps))
+            self.driver(h, positions)  # the same kernels as _layers, in one call
+        else:
+            self._layers(h, positions, attend)
+        return self.lm_head.logits(rms_norm(h[logit_rows], self.norm, self.spec.rms_eps))
+
+    def _layers(self, h: torch.Tensor, positions: torch.Tensor, attend) -> None:
+        """Every decoder layer on the residual stream h, in place."""
+        spec, ops, eps = self.spec, self.ops, self.spec.rms_eps
         num_q, num_kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         x = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
@@ -155,8 +160,6 @@ class LlamaModel:
                 x = ops.add_rms_norm(h, down, self.layers[index + 1].input_norm, eps)
             else:
                 h += down
-        x = rms_norm(h[logit_rows], self.norm, eps)
-        return self.lm_head.logits(x)
 
 
 def rope_tables(spec: ModelSpec, device: torch.device,

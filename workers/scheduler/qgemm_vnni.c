@@ -56,7 +56,7 @@ static inline __attribute__((always_inline)) void tile(
     #pragma GCC unroll 12
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++, w += block) {
-        for (int at = 0; at < block; at += 64)  /* 6 or 10 lines */
+        for (int at = 0; at < block; at += 64)  /* 5 or 9 lines */
             _mm_prefetch((const char *)w + PREFETCH + at, _MM_HINT_T0);
         __m512i levels[8];
         if (BITS == 4) {

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -32,6 +33,7 @@ class Blocked:
     bits: int
     q: torch.Tensor
     out_dim: int
+    kernel: Callable  # q4_gemm_vnni or q8_gemm_vnni, bound once for the hot path
 
 
 def _per_block(values: torch.Tensor) -> torch.Tensor:
@@ -55,7 +57,7 @@ def pack_q4(levels: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> Blo
     parts = _lanes(levels.to(torch.uint8))
     q = (parts[:, :, :4] | (parts[:, :, 4:] << 4)).flatten(2)
     return Blocked(4, torch.cat([q, _per_block(scale), _per_block(low)], dim=-1).contiguous(),
-                   levels.shape[0])
+                   levels.shape[0], load().q4_gemm_vnni)
 
 
 def pack_q8(levels: torch.Tensor, scale: torch.Tensor) -> Blocked:
@@ -63,7 +65,7 @@ def pack_q8(levels: torch.Tensor, scale: torch.Tensor) -> Blocked:
     Stored unsigned, level + 128, with low = -128 scale."""
     q = _lanes((levels + 128).to(torch.uint8)).flatten(2)
     return Blocked(8, torch.cat([q, _per_block(scale), _per_block(-128 * scale)],
-                                dim=-1).contiguous(), levels.shape[0])
+                                dim=-1).contiguous(), levels.shape[0], load().q8_gemm_vnni)
 
 
 def fits(out_dim: int, in_dim: int) -> bool:
@@ -76,9 +78,8 @@ def matmul(x: torch.Tensor, w: Blocked) -> torch.Tensor:
     x, dtype = qgemm.bf16_rows(x)
     rows, in_dim = x.shape
     out = torch.empty(rows, w.out_dim, dtype=dtype)
-    kernel = load().q4_gemm_vnni if w.bits == 4 else load().q8_gemm_vnni
-    kernel(x.data_ptr(), rows, in_dim, w.q.data_ptr(), out.data_ptr(),
-           dtype == torch.bfloat16, w.out_dim)
+    w.kernel(x.data_ptr(), rows, in_dim, w.q.data_ptr(), out.data_ptr(),
+             dtype == torch.bfloat16, w.out_dim)
     return out
 
 
