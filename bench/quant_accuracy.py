@@ -4,7 +4,8 @@ top-1 agreement. Covers what we ship (bf16, the lossless 4/8-bit path, which
 matches bf16 when every row takes it) and what we measured and did not ship
 (int8 weights and dynamic per-token int8 activations, as torch._int_mm would
 run them), and the shipped int8 activations per group of 32 (qgemm_vnni.c, where
-the CPU has VNNI), with and without qkv. Run: .venv/bin/python bench/quant_accuracy.py"""
+the CPU has VNNI), with qkv's activations at 14 bits (shipped), exact, or int8.
+Run: .venv/bin/python bench/quant_accuracy.py"""
 
 from __future__ import annotations
 
@@ -88,8 +89,9 @@ def main() -> None:
     variants = {
         "bf16 (shipped)": lambda: LlamaModel.load(path, spec, cpu, torch.bfloat16),
         "bf16 + lossless 4/8-bit, every row (shipped)": lambda: lossless_everywhere(path, spec),
-        "bf16 + int8 act., qkv exact (shipped, VNNI)": lambda: vnni(path, spec, False),
-        "bf16 + int8 act., qkv too (VNNI)": lambda: vnni(path, spec, True),
+        "bf16 + int8 act., qkv 14-bit (shipped, VNNI)": lambda: vnni(path, spec, "fine"),
+        "bf16 + int8 act., qkv exact (VNNI)": lambda: vnni(path, spec, "exact"),
+        "bf16 + int8 act., qkv too (VNNI)": lambda: vnni(path, spec, "int8"),
         "fp32, int8 weights": lambda: simulated(path, spec, weights=True, activations=False),
         "fp32, int8 activations": lambda: simulated(path, spec, weights=False, activations=True),
         "fp32, W8A8": lambda: simulated(path, spec, weights=True, activations=True),
@@ -115,19 +117,25 @@ def lossless_everywhere(path: Path, spec) -> LlamaModel:
     return model
 
 
-def vnni(path: Path, spec, qkv: bool) -> LlamaModel | None:
-    """The real kernel (qgemm_vnni.c); `qkv`: on the qkv projection too."""
+def vnni(path: Path, spec, qkv: str) -> LlamaModel | None:
+    """The real kernel (qgemm_vnni.c) on every row; `qkv`: that projection's
+    activations, "fine" (14 bits, as shipped), "exact" (bf16) or "int8"."""
     if qgemm_vnni.load() is None:
         return None
     kernels = Kernels(onednn=True, vnni=True)
     model = LlamaModel.load(path, spec, torch.device("cpu"), torch.bfloat16, "lossless", kernels)
-    if qkv:  # rebuilt from the checkpoint without the model's exact flag
+    if qkv != "fine":  # rebuilt from the checkpoint without the model's fine flag
+        qkv_kernels = kernels if qkv == "int8" else Kernels(onednn=True, qgemm=True)
         file = next(path.glob("*.safetensors"))
         with safe_open(str(file), framework="pt") as f:
             for i, layer in enumerate(model.layers):
                 weight = torch.cat([f.get_tensor(f"model.layers.{i}.self_attn.{n}_proj.weight")
                                     for n in "qkv"])
-                layer.qkv = make_linear(weight, None, torch.bfloat16, "lossless", kernels)
+                layer.qkv = make_linear(weight, None, torch.bfloat16, "lossless", qkv_kernels)
+    for linear in [model.lm_head] + [getattr(layer, name) for layer in model.layers
+                                     for name in PROJECTIONS]:
+        if type(linear) is not Dense:  # the narrow kernels even for the whole prompt
+            linear.small_batch = 1 << 30
     return model
 
 

@@ -1,8 +1,8 @@
-"""qgemm_vnni.c: the checkpoint's 4- and 8-bit weights on int8 activations. The
-kernel's answer is held to the same sum computed here in fp64 (activations
-rounded per row and group of 32 as the kernel rounds them), and to the exact
-bf16 matmul within the rounding of int8 activations; and to the choice of
-kernels that `--activations` makes."""
+"""qgemm_vnni.c: the checkpoint's 4- and 8-bit weights on int8 activations (and,
+in its fine kernels, 14-bit ones). The kernel's answer is held to the same sum
+computed here in fp64 (activations rounded per row and group of 32 as the
+kernel rounds them), and to the exact bf16 matmul within the rounding of the
+activations; and to the choice of kernels that `--activations` makes."""
 
 from __future__ import annotations
 
@@ -28,16 +28,17 @@ def checkpoint(model_files):
             "model.layers.7.mlp.down_proj.weight", "model.embed_tokens.weight")}
 
 
-def int8_groups(x: torch.Tensor) -> torch.Tensor:
+def int8_groups(x: torch.Tensor, top: float = 127.0) -> torch.Tensor:
     """x rounded as the kernel rounds it: per row and group of 32, to
-    round(x * (127 / max|x|)) levels of max|x| / 127 (fp32 steps, ties to even)."""
+    round(x * (top / max|x|)) levels of max|x| / top (fp32 steps, ties to even);
+    top 127 for int8, 127 * 128 for the fine kernels."""
     rows, in_dim = x.shape
     groups = x.float().reshape(rows, in_dim // 32, 32)
     amax = groups.abs().amax(-1, keepdim=True)
     # tensor / tensor: correctly rounded (127.0 / tensor may be off by an ulp)
-    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    inverse = torch.where(amax > 0, torch.full_like(amax, top) / amax, torch.zeros_like(amax))
     levels = torch.round(groups * inverse)
-    return (levels.double() * (amax / 127.0).double()).reshape(rows, in_dim)
+    return (levels.double() * (amax / top).double()).reshape(rows, in_dim)
 
 
 def relative_error(mine: torch.Tensor, theirs: torch.Tensor) -> float:
@@ -66,6 +67,41 @@ def test_vnni_sums_int8_activations_exactly(checkpoint):
             assert relative_error(out, x.double() @ exact) < 2e-2
             rounded = qgemm_vnni.matmul(x, linear.vnni)  # bf16 in, bf16 out
             assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, out.bfloat16())
+
+
+@needs_vnni
+def test_fine_kernels_sum_14_bit_activations_exactly(checkpoint):
+    """The fine kernels' two int8 parts of each 14-bit level add up exactly:
+    the answer is the fp64 sum over x rounded to 14 bits, and within a
+    twentieth of int8's distance of the exact one."""
+    generator = torch.Generator().manual_seed(1)
+    down = checkpoint["model.layers.7.mlp.down_proj.weight"]  # Q4_1
+    embed = checkpoint["model.embed_tokens.weight"][:1024]  # Q8_0
+    for weight, kind in ((down, Int4), (embed, Int8)):
+        linear = make_linear(weight, None, torch.bfloat16, "lossless",
+                             Kernels(vnni=True, fine=True))
+        assert type(linear) is kind and linear.vnni is not None
+        exact = weight.double().t()
+        for rows in (1, 3, 12, 17, 64):
+            x = torch.randn(rows, weight.shape[1], generator=generator).bfloat16()
+            x[0, :32] = 0.0
+            x[-1, 32:64] *= 1000.0  # a group with one large scale among small ones
+            out = qgemm_vnni.matmul(x.float(), linear.vnni)
+            assert relative_error(out, int8_groups(x, 127.0 * 128) @ exact) < 1e-5
+            fine_error = relative_error(out, x.double() @ exact)
+            assert fine_error < 1e-3
+            assert fine_error < relative_error(int8_groups(x) @ exact, x.double() @ exact) / 20
+
+
+@needs_vnni
+def test_fine_weights_serve_up_to_64_rows_then_dense(checkpoint):
+    down = checkpoint["model.layers.7.mlp.down_proj.weight"]
+    linear = make_linear(down, None, torch.bfloat16, "lossless",
+                         Kernels(onednn=True, vnni=True, fine=True))
+    assert linear.vnni is not None and linear.small_batch == 64
+    assert linear.onednn_weight is not None  # prefills past 64 rows run oneDNN's bf16
+    x = torch.randn(65, down.shape[1]).bfloat16()
+    assert relative_error(linear(x), x.double() @ down.double().t()) < 1e-2
 
 
 @needs_vnni

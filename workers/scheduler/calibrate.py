@@ -101,12 +101,10 @@ def choose_kernels(device: torch.device, dtype: torch.dtype, spec,
     amx = quantized and dtype == torch.bfloat16 and qgemm_amx.load() is not None
     if int8 and activations != "exact" and (activations == "int8" or not amx):
         # every batch, 0.25-0.78x oneDNN bf16's time on an AMD Zen 4 (linear.Kernels);
-        # qgemm for the projections that keep exact activations (model.LlamaModel)
-        # up to 64 rows, so that layers.c runs whole decode steps: paired steps
-        # against qgemm to 12 rows, oneDNN beyond, 0.80x at 16 rows, 0.95x at 32,
-        # 0.97x at 64
-        return Kernels(onednn=onednn, vnni=True, qgemm_rows=64,
-                       qgemm=qgemm_is_faster(dtype, *shape, spec.vocab_size))
+        # the projections that int8 is too coarse for (model.LlamaModel) take its
+        # fine kernels up to 64 rows, so that layers.c runs whole decode steps, and
+        # oneDNN beyond
+        return Kernels(onednn=onednn, vnni=True)
     if amx:
         # Intel AMX: 0.34-0.69x oneDNN's time from 1 to 64 rows (linear.Kernels)
         return Kernels(onednn=onednn, amx=True)

@@ -18,6 +18,7 @@ import torch
 from workers.scheduler import qgemm, qgemm_amx, qgemm_vnni
 
 GROUP = 32
+FINE_ROWS = 64  # rows a fine-activation weight serves up to; a dense copy beyond
 LOSSLESS = 1e-3  # of a group's scale: the weight was 4- or 8-bit to begin with
 
 
@@ -28,6 +29,7 @@ class Kernels:
     qgemm: bool = False  # 4- and 8-bit through qgemm.c rather than torch's kernel
     amx: bool = False  # 4- and 8-bit on bf16 activations through qgemm_amx.c
     vnni: bool = False  # 4- and 8-bit on int8 activations through qgemm_vnni.c
+    fine: bool = False  # with vnni: its fine kernels, activations rounded to 14 bits
     qgemm_rows: int = 0  # rows qgemm serves up to; 0: its crossover below
 
     def small_batch(self, dtype: torch.dtype) -> int:
@@ -48,9 +50,12 @@ class Kernels:
           row, 0.46x at 16, 0.55x at 32, 0.69x at 64; two passes at 128 rows: 1.06x).
         - qgemm_vnni.c beside oneDNN bf16 (AMD Zen 4): every batch (0.25-0.3x at
           1 row, 0.5-0.65x at 16, 0.7x at 64, 0.72-0.78x at 128-512), so the
-          weight keeps no dense copy."""
+          weight keeps no dense copy.
+        - its fine kernels beside oneDNN bf16 (AMD Zen 5, 30 qkv weights): 64,
+          the rows layers.c takes (0.33x at 1 row, 0.77x at 16, 1.14x at 64,
+          1.3-1.5x at 128-512; against qgemm_bf16.c 0.67-0.94x)."""
         if self.vnni and dtype == torch.bfloat16:
-            return sys.maxsize
+            return FINE_ROWS if self.fine else sys.maxsize
         if self.amx and dtype == torch.bfloat16:
             return 64
         if self.qgemm:
@@ -106,6 +111,11 @@ class Dense:
             return out.float() if self.bias is None else out.float() + self.bias
         return self(x).float()
 
+    @staticmethod
+    def keeps_dense(kernels: Kernels, dtype: torch.dtype, weight: torch.Tensor) -> bool:
+        """Whether batches past the narrow copy's reach need a dense copy."""
+        return not uses_vnni(kernels, dtype, weight) or kernels.fine
+
     def _small_kernels(self, kernels: Kernels, dtype: torch.dtype,
                        weight: torch.Tensor) -> Kernels:
         """The kernels this weight's narrow copy runs on (AMX only where it
@@ -136,11 +146,11 @@ class Int4(Dense):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  levels: torch.Tensor, scales_zeros: torch.Tensor,
                  kernels: Kernels = PLAIN):
-        super().__init__(weight, bias, dtype, kernels, not uses_vnni(kernels, dtype, weight))
+        super().__init__(weight, bias, dtype, kernels, self.keeps_dense(kernels, dtype, weight))
         kernels = self._small_kernels(kernels, dtype, weight)
         scale, zero = scales_zeros[..., 0].t(), scales_zeros[..., 1].t()
         if kernels.vnni:
-            self.vnni = qgemm_vnni.pack_q4(levels, scale, zero - 8 * scale)
+            self.vnni = qgemm_vnni.pack_q4(levels, scale, zero - 8 * scale, kernels.fine)
         elif kernels.amx:
             self.tiled = qgemm_amx.pack_q4(levels, scale, zero - 8 * scale)
         elif kernels.qgemm:
@@ -162,10 +172,11 @@ class Int8(Dense):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  levels: torch.Tensor, scale: torch.Tensor, kernels: Kernels = PLAIN):
-        super().__init__(weight, bias, dtype, kernels, not uses_vnni(kernels, dtype, weight))
+        super().__init__(weight, bias, dtype, kernels, self.keeps_dense(kernels, dtype, weight))
         kernels = self._small_kernels(kernels, dtype, weight)
         if kernels.vnni:
-            self.vnni = qgemm_vnni.pack_q8(levels, scale.reshape(levels.shape[0], -1))
+            self.vnni = qgemm_vnni.pack_q8(levels, scale.reshape(levels.shape[0], -1),
+                                           kernels.fine)
             return
         if kernels.amx:
             self.tiled = qgemm_amx.pack_q8(levels, scale.reshape(levels.shape[0], -1))

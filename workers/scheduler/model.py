@@ -98,20 +98,20 @@ class LlamaModel:
         self.driver = None  # layers.Driver: every layer in one C call, where it applies
 
     def _layer(self, get, weights: dict, p: str, device: torch.device) -> Layer:
-        def linear(names: list[str], bias: bool = False, exact: bool = False) -> Dense:
-            """`exact`: activations stay in dtype whatever the kernels' int8 choice."""
+        def linear(names: list[str], bias: bool = False, fine: bool = False) -> Dense:
+            """`fine`: activations rounded to 14 bits where the kernels' choice is int8."""
             weight = torch.cat([weights[n + ".weight"] for n in names]).to(device)
             b = torch.cat([weights[n + ".bias"] for n in names]).to(device) if bias else None
-            kernels = replace(self.kernels, vnni=False) if exact else self.kernels
+            kernels = replace(self.kernels, fine=True) if fine else self.kernels
             return make_linear(weight, b, self.dtype, self.quantization, kernels)
 
         attn = p + "self_attn."
         return Layer(
             input_norm=get(p + "input_layernorm.weight"),
-            # q and k errors go through attention's softmax: int8 activations there
-            # turned greedy "The capital of France is Paris." into "L'Etoile, la
-            # Marseillaise," (the rest in int8 keeps it: tests/test_bf16.py)
-            qkv=linear([attn + f"{n}_proj" for n in "qkv"], bias=self.spec.qkv_bias, exact=True),
+            # q and k errors go through attention's softmax: int8 activations move
+            # qkv by ~5e-3 of its size, more than rounding its output to bf16 does;
+            # 14-bit ones by 6e-5, as exact as bf16 sums are (bench/quant_accuracy.py)
+            qkv=linear([attn + f"{n}_proj" for n in "qkv"], bias=self.spec.qkv_bias, fine=True),
             q_norm=get(attn + "q_norm.weight") if self.spec.qk_norm else None,
             k_norm=get(attn + "k_norm.weight") if self.spec.qk_norm else None,
             o=linear([attn + "o_proj"]), post_norm=get(p + "post_attention_layernorm.weight"),

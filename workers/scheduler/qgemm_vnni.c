@@ -11,13 +11,18 @@
      4j..4j+3 in the low nibbles of part j and 16+4j.. in the high; 8-bit: 8 x
      64 bytes), then 16 fp16 scales and 16 fp16 lows (a GGUF's own fp16 d and
      m: exact; 0.85x the time of fp32 ones at 1 row, where weights stream).
-   One weight block serves R rows from L1; y is fp32, or bf16 (nearest even). */
+   One weight block serves R rows from L1; y is fp32, or bf16 (nearest even).
+   The fine variant (*_vnni_fine) rounds x to 14 bits instead, sx = max |x| /
+   16256, and splits each level into two int8 parts, q = 128 a + b (a in
+   -127..127, b in -64..63): two vpdpbusd chains, one shift, one add. Its error
+   is at most 1/32512 of the group's max |x|, far below bf16's rounding of the
+   large elements (1/512 of each): for projections int8 is too coarse for. */
 
 #include <stdlib.h>
 
 #include "kernels.h"
 
-enum { GROUP = 32, LANES = 16 };
+enum { GROUP = 32, LANES = 16, FINE_LEVELS = 127 * 128 };
 #ifndef ROWS
 #define ROWS 12  /* rows a weight block serves from registers, at most */
 #endif
@@ -27,8 +32,11 @@ enum { GROUP = 32, LANES = 16 };
 
 static inline int block_bytes(int bits) { return (bits == 4 ? 256 : 512) + 2 * 32; }
 
-/* Row m's groups: int8 levels into q, sx and sx * sum q into scales[2 g], [2 g + 1]. */
-static void quantize_row(const uint16_t *x, int K, int8_t *q, float *scales) {
+/* Row m's groups: int8 levels into q, sx and sx * sum q into scales[2 g], [2 g + 1].
+   FINE: 14-bit levels as q[k] * 128 + q[K + k]. */
+static inline __attribute__((always_inline)) void quantize_row(
+        const uint16_t *x, int K, int8_t *q, float *scales, const int FINE) {
+    const float levels = FINE ? (float)FINE_LEVELS : 127.0f;
     for (int g = 0; g < K / GROUP; g++) {
         __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + g * GROUP))), 16));
@@ -36,12 +44,23 @@ static void quantize_row(const uint16_t *x, int K, int8_t *q, float *scales) {
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + g * GROUP + 16))),
             16));
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        float sx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        float sx = amax / levels, inv = amax > 0.0f ? levels / amax : 0.0f;
         __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
         __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+        int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        if (FINE) {  /* a = floor((q + 64) / 128), b = q - 128 a */
+            const __m512i half = _mm512_set1_epi32(64);
+            __m512i alo = _mm512_srai_epi32(_mm512_add_epi32(qlo, half), 7);
+            __m512i ahi = _mm512_srai_epi32(_mm512_add_epi32(qhi, half), 7);
+            __m512i blo = _mm512_sub_epi32(qlo, _mm512_slli_epi32(alo, 7));
+            __m512i bhi = _mm512_sub_epi32(qhi, _mm512_slli_epi32(ahi, 7));
+            _mm_storeu_si128((__m128i *)(q + K + g * GROUP), _mm512_cvtsepi32_epi8(blo));
+            _mm_storeu_si128((__m128i *)(q + K + g * GROUP + 16), _mm512_cvtsepi32_epi8(bhi));
+            qlo = alo;
+            qhi = ahi;
+        }
         _mm_storeu_si128((__m128i *)(q + g * GROUP), _mm512_cvtsepi32_epi8(qlo));
         _mm_storeu_si128((__m128i *)(q + g * GROUP + 16), _mm512_cvtsepi32_epi8(qhi));
-        int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
         scales[2 * g] = sx;
         scales[2 * g + 1] = sx * (float)sum;
     }
@@ -50,8 +69,8 @@ static void quantize_row(const uint16_t *x, int K, int8_t *q, float *scales) {
 /* Outputs n..n+15 by R rows from m. */
 static inline __attribute__((always_inline)) void tile(
         const int8_t *q, const float *xs, int K, const uint8_t *w, void *y, int bf16_out,
-        int N, int n, int m, const int R, const int BITS) {
-    const int G = K / GROUP, block = block_bytes(BITS);
+        int N, int n, int m, const int R, const int BITS, const int FINE) {
+    const int G = K / GROUP, block = block_bytes(BITS), stride = FINE ? 2 * K : K;
     __m512 acc[ROWS];
     #pragma GCC unroll 12
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -76,11 +95,18 @@ static inline __attribute__((always_inline)) void tile(
         __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256(per + 1));
         #pragma GCC unroll 12
         for (int r = 0; r < R; r++) {
-            const int32_t *qx = (const int32_t *)(q + (int64_t)(m + r) * K + g * GROUP);
+            const int32_t *qx = (const int32_t *)(q + (int64_t)(m + r) * stride + g * GROUP);
             __m512i dot = _mm512_setzero_si512();
             #pragma GCC unroll 8
             for (int j = 0; j < 8; j++)
                 dot = _mm512_dpbusd_epi32(dot, levels[j], _mm512_set1_epi32(qx[j]));
+            if (FINE) {
+                __m512i fine = _mm512_setzero_si512();
+                #pragma GCC unroll 8
+                for (int j = 0; j < 8; j++)
+                    fine = _mm512_dpbusd_epi32(fine, levels[j], _mm512_set1_epi32(qx[K / 4 + j]));
+                dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 7), fine);
+            }
             const float *s = xs + ((int64_t)(m + r) * G + g) * 2;
             __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), scale);
             acc[r] = _mm512_fmadd_ps(scaled, _mm512_set1_ps(s[0]), acc[r]);
@@ -99,19 +125,20 @@ static inline __attribute__((always_inline)) void tile(
 }
 
 #define T(R) tile(q, xs, K, w + (int64_t)(n / LANES) * G * block, y, bf16_out, N, n, m, R, \
-                  BITS)
+                  BITS, FINE)
 
 static inline __attribute__((always_inline)) void gemm(
         const uint16_t *x, int M, int K, const uint8_t *w, void *y, int bf16_out, int N,
-        const int BITS) {
-    const int G = K / GROUP, block = block_bytes(BITS);
-    int8_t *q = malloc((size_t)M * K);
+        const int BITS, const int FINE) {
+    const int G = K / GROUP, block = block_bytes(BITS), stride = FINE ? 2 * K : K;
+    int8_t *q = malloc((size_t)M * stride);
     float *xs = malloc(sizeof(float) * 2 * (size_t)M * G);
     #pragma omp parallel
     {
         #pragma omp for schedule(static)
         for (int m = 0; m < M; m++)
-            quantize_row(x + (int64_t)m * K, K, q + (int64_t)m * K, xs + (int64_t)m * 2 * G);
+            quantize_row(x + (int64_t)m * K, K, q + (int64_t)m * stride, xs + (int64_t)m * 2 * G,
+                         FINE);
         #pragma omp for schedule(static)
         for (int n = 0; n < N; n += LANES) {
             /* rows in blocks of near-equal size (16: 8 + 8, not 12 + 4) */
@@ -142,10 +169,20 @@ static inline __attribute__((always_inline)) void gemm(
 /* x bf16 [M, K], N a multiple of 16, K of 32. Threads: torch's OpenMP pool. */
 void q4_gemm_vnni(const uint16_t *x, int M, int K, const uint8_t *w, void *y, int bf16_out,
                   int N) {
-    gemm(x, M, K, w, y, bf16_out, N, 4);
+    gemm(x, M, K, w, y, bf16_out, N, 4, 0);
 }
 
 void q8_gemm_vnni(const uint16_t *x, int M, int K, const uint8_t *w, void *y, int bf16_out,
                   int N) {
-    gemm(x, M, K, w, y, bf16_out, N, 8);
+    gemm(x, M, K, w, y, bf16_out, N, 8, 0);
+}
+
+void q4_gemm_vnni_fine(const uint16_t *x, int M, int K, const uint8_t *w, void *y,
+                       int bf16_out, int N) {
+    gemm(x, M, K, w, y, bf16_out, N, 4, 1);
+}
+
+void q8_gemm_vnni_fine(const uint16_t *x, int M, int K, const uint8_t *w, void *y,
+                       int bf16_out, int N) {
+    gemm(x, M, K, w, y, bf16_out, N, 8, 1);
 }

@@ -3,7 +3,10 @@
 # llama.cpp runs a Q4_1 / Q8_0 GGUF, and each group's integer dot product is
 # exact. On an AMD Zen 4 it took 0.25-0.3x oneDNN's dense bf16 time at 1 row,
 # 0.5-0.65x at 16, 0.7x at 64 and 0.72-0.78x at 128-512 (all 30 layers'
-# projections, streamed). `load()` says None without VNNI or a compiler.
+# projections, streamed). The fine kernels round x to 14 bits instead (two
+# int8 parts), for projections whose errors int8 would let through; they are
+# more accurate than bf16 activations. `load()` says None without VNNI or a
+# compiler.
 
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ class Blocked:
     bits: int
     q: torch.Tensor
     out_dim: int
-    kernel: Callable  # q4_gemm_vnni or q8_gemm_vnni, bound once for the hot path
+    kernel: Callable  # q4_gemm_vnni, q8_gemm_vnni or a fine one, bound once for the hot path
 
 
 def _per_block(values: torch.Tensor) -> torch.Tensor:
@@ -51,21 +54,25 @@ def _lanes(levels: torch.Tensor) -> torch.Tensor:
     return lanes.permute(0, 2, 3, 1, 4)
 
 
-def pack_q4(levels: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> Blocked:
+def pack_q4(levels: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
+            fine: bool = False) -> Blocked:
     """levels [out, in] in [0, 15]; w = level * scale + low, scale and low [out, in / 32].
-    Parts j and j + 4 share bytes (low and high nibbles)."""
+    Parts j and j + 4 share bytes (low and high nibbles). `fine`: 14-bit x."""
     parts = _lanes(levels.to(torch.uint8))
     q = (parts[:, :, :4] | (parts[:, :, 4:] << 4)).flatten(2)
+    lib = load()
     return Blocked(4, torch.cat([q, _per_block(scale), _per_block(low)], dim=-1).contiguous(),
-                   levels.shape[0], load().q4_gemm_vnni)
+                   levels.shape[0], lib.q4_gemm_vnni_fine if fine else lib.q4_gemm_vnni)
 
 
-def pack_q8(levels: torch.Tensor, scale: torch.Tensor) -> Blocked:
+def pack_q8(levels: torch.Tensor, scale: torch.Tensor, fine: bool = False) -> Blocked:
     """levels [out, in] in [-127, 127]; w = level * scale, scale [out, in / 32].
-    Stored unsigned, level + 128, with low = -128 scale."""
+    Stored unsigned, level + 128, with low = -128 scale. `fine`: 14-bit x."""
     q = _lanes((levels + 128).to(torch.uint8)).flatten(2)
+    lib = load()
     return Blocked(8, torch.cat([q, _per_block(scale), _per_block(-128 * scale)],
-                                dim=-1).contiguous(), levels.shape[0], load().q8_gemm_vnni)
+                                dim=-1).contiguous(), levels.shape[0],
+                   lib.q8_gemm_vnni_fine if fine else lib.q8_gemm_vnni)
 
 
 def fits(out_dim: int, in_dim: int) -> bool:
@@ -74,7 +81,7 @@ def fits(out_dim: int, in_dim: int) -> bool:
 
 def matmul(x: torch.Tensor, w: Blocked) -> torch.Tensor:
     """x [rows, in] @ w.T -> [rows, out], in x's dtype if bf16 or fp32 (else
-    fp32); x is taken in bf16 and rounded to int8 by the kernel."""
+    fp32); x is taken in bf16 and rounded to int8 (or 14 bits) by the kernel."""
     x, dtype = qgemm.bf16_rows(x)
     rows, in_dim = x.shape
     out = torch.empty(rows, w.out_dim, dtype=dtype)
@@ -87,8 +94,8 @@ def matmul(x: torch.Tensor, w: Blocked) -> torch.Tensor:
 def load() -> ctypes.CDLL | None:
     P, I32 = native.P, native.I32
     signature = [P, I32, I32, P, P, I32, I32]  # x, rows, in, weight, y, y is bf16, out
-    return native.load(SOURCE, {"q4_gemm_vnni": signature, "q8_gemm_vnni": signature},
-                       FLAGS, NEEDS)
+    names = ("q4_gemm_vnni", "q8_gemm_vnni", "q4_gemm_vnni_fine", "q8_gemm_vnni_fine")
+    return native.load(SOURCE, {name: signature for name in names}, FLAGS, NEEDS)
 
 
 def build() -> Path:
