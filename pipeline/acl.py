@@ -5,7 +5,8 @@ from __future__ import annotations
 
 _COMMON = ["ping", "hello", "client|setname", "info", "select",
            "set", "exists", "get", "mget", "scan", "xinfo", "xrange", "xrevrange", "xlen"]
-_GROUP_READER = ["xreadgroup", "xack", "xgroup", "xclaim", "xpending", "xtrim"]
+_GROUP_READER = ["xreadgroup", "xack", "xgroup", "xclaim", "xpending", "xtrim",
+                 "multi", "exec", "discard"]  # writes and their acks go as one MULTI/EXEC
 
 ROLES: dict[str, tuple[list[str], list[str]]] = {
     # role: (key patterns under the prefix, commands)

@@ -73,6 +73,16 @@ def _entries(raw: Sequence) -> list[Entry]:
     return out
 
 
+def group_entries(reply) -> list[Entry]:
+    """An XREADGROUP reply of one stream, as read_group returns it."""
+    return _entries(reply[0][1]) if reply else []
+
+
+def read_entries(reply) -> list[tuple[str, list[Entry]]]:
+    """An XREAD reply, as read returns it."""
+    return [(key.decode(), _entries(raw)) for key, raw in reply or []]
+
+
 class StreamClient:
     """The Redis stream client every role uses. Blocking reads get their own
     connection (`reader()`), so a long BLOCK never starves XADD/XACK traffic."""
@@ -105,17 +115,21 @@ class StreamClient:
         )
         return entry_id.decode()
 
-    async def add_many(
-        self, items: Sequence[tuple[str, object]], *, nomkstream: bool = False,
-        maxlen: int | None = None,
+    async def add_and_ack(
+        self, items: Sequence[tuple[str, object]], stream: str, group: str,
+        entry_ids: Sequence[str], *, nomkstream: bool = False, maxlen: int | None = None,
     ) -> None:
-        """One round trip for a whole step's worth of entries."""
-        if not items:
+        """A batch's worth of entries and the ack of what they answer, in one
+        round trip, one MULTI/EXEC: the ack never lands without them (a write
+        Redis refuses, out of memory, aborts it all)."""
+        if not items and not entry_ids:
             return
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for stream, message in items:
-                pipe.xadd(stream, {FIELD: encode(message)}, maxlen=maxlen, approximate=True,
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for key, message in items:
+                pipe.xadd(key, {FIELD: encode(message)}, maxlen=maxlen, approximate=True,
                           nomkstream=nomkstream)
+            if entry_ids:
+                pipe.xack(stream, group, *entry_ids)
             await pipe.execute()
 
     async def read_group(
@@ -127,16 +141,12 @@ class StreamClient:
             group, consumer, {stream: start}, count=count,
             block=self.block_ms if wait and start == ">" else None,
         )
-        return _entries(reply[0][1]) if reply else []
+        return group_entries(reply)
 
     async def read(self, streams: dict[str, str], *, count: int, wait: bool = True):
         """Plain XREAD over several streams: [(stream, [entries])]."""
         reply = await self.redis.xread(streams, count=count, block=self.block_ms if wait else None)
-        return [(key.decode(), _entries(raw)) for key, raw in reply or []]
-
-    async def ack(self, stream: str, group: str, entry_ids: Sequence[str]) -> None:
-        if entry_ids:
-            await self.redis.xack(stream, group, *entry_ids)
+        return read_entries(reply)
 
     async def last_id(self, stream: str) -> str:
         """The id of the newest entry, so a fan-out reader starts after it."""

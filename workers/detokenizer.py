@@ -91,9 +91,9 @@ class Detokenizer:
                                               self.keys.dead_letters)
                 continue
             replies.extend(replies_for(self.tokenizer, batch).items())
-        # ack only after the replies are written: a crash before that must redeliver
-        await self.client.add_many(replies, nomkstream=True, maxlen=10_000)
-        await self.client.ack(self.keys.tokens, DETOKENIZERS, [e for e, _ in entries])
+        # acked with the replies, never before: a crash before they are written must redeliver
+        await self.client.add_and_ack(replies, self.keys.tokens, DETOKENIZERS,
+                                      [e for e, _ in entries], nomkstream=True, maxlen=10_000)
         self.num_batches += len(entries)
 
 
