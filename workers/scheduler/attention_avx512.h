@@ -1,7 +1,7 @@
 /* paged_attention.c's two loops over a bf16 cache on AVX-512 with its bf16
    dot product (built so where the CPU has avx512_bf16; head dims 64 and 128):
    q . k as 32 exact bf16 products a vdpbf16ps, summed in fp32; the weighted sum
-   of values in fp32, 16 dims a vector. */
+   of values in fp32, 16 dims a vector. Scores prefetch the values to L2. */
 
 #ifndef PIPELINE_ATTENTION_AVX512_H
 #define PIPELINE_ATTENTION_AVX512_H
@@ -31,8 +31,8 @@ static inline __m512 sums16(const __m512 a[16]) {
 /* score[g * len + p] = scale * q[g] . keys[p], q fp32 [GC, DIM] holding bf16
    values (so rounding them back is exact), 16 keys at a time. */
 static inline __attribute__((always_inline)) void scores_bf16(
-        const float *q, const void *const *keys, int len, float scale, float *score,
-        const int GC, const int DIM) {
+        const float *q, const void *const *keys, const void *const *values, int len,
+        float scale, float *score, const int GC, const int DIM) {
     __m512bh qh[3][DIM / 32];
     #pragma GCC unroll 3
     for (int g = 0; g < GC; g++)
@@ -45,6 +45,9 @@ static inline __attribute__((always_inline)) void scores_bf16(
         for (int j = p + 16; j < p + 32 && j < len; j++)  /* the next block, meanwhile */
             for (int line = 0; line < 2 * DIM; line += 64)
                 _mm_prefetch((const char *)keys[j] + line, _MM_HINT_T0);
+        for (int j = p; j < p + 16 && j < len; j++)  /* this block's values, for later */
+            for (int line = 0; line < 2 * DIM; line += 64)
+                _mm_prefetch((const char *)values[j] + line, _MM_HINT_T1);
         #pragma GCC unroll 3
         for (int g = 0; g < GC; g++) {
             __m512 acc[16];
@@ -76,9 +79,9 @@ static inline __attribute__((always_inline)) void weighted_sum_bf16(
         for (int c = 0; c < DIM / 16; c++) acc[g][c] = _mm512_setzero_ps();
     for (int p = 0; p < len; p++) {
         const uint16_t *v = (const uint16_t *)values[p];
-        if (p + 8 < len)
+        if (p + 16 < len)
             for (int line = 0; line < 2 * DIM; line += 64)
-                _mm_prefetch((const char *)values[p + 8] + line, _MM_HINT_T0);
+                _mm_prefetch((const char *)values[p + 16] + line, _MM_HINT_T0);
         #pragma GCC unroll 8
         for (int c = 0; c < DIM / 16; c++) {
             __m256i raw = _mm256_loadu_si256((const __m256i *)(v + 16 * c));

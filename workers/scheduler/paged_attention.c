@@ -9,6 +9,7 @@
    which saves torch four ops a layer. */
 
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 
 #include "kernels.h"
@@ -117,8 +118,8 @@ static inline __attribute__((always_inline)) void attend(
         float scale, float *weight, float *out, const int BF16, const int GC) {
 #ifdef __AVX512BF16__
     if (BF16 && (dim == 64 || dim == 128)) {
-        if (dim == 64) scores_bf16(q, keys, len, scale, weight, GC, 64);
-        else scores_bf16(q, keys, len, scale, weight, GC, 128);
+        if (dim == 64) scores_bf16(q, keys, values, len, scale, weight, GC, 64);
+        else scores_bf16(q, keys, values, len, scale, weight, GC, 128);
         for (int g = 0; g < GC; g++) softmax(weight + g * len, len);
         if (dim == 64) weighted_sum_bf16(weight, values, len, out, GC, 64);
         else weighted_sum_bf16(weight, values, len, out, GC, 128);
@@ -160,6 +161,23 @@ static void softmax(float *x, int len) {
     for (p = 0; p < len; p++) x[p] *= inverse;
 }
 
+/* The first PREFETCH_SLOTS keys and values of kv head h of sequence b, to L2. */
+enum { PREFETCH_SLOTS = 32 };
+static void prefetch_task(const void *k_cache, const void *v_cache, int64_t cache_slots,
+                          size_t row_bytes, const int32_t *tables, int table_width, int len,
+                          int block_size, int b, int h) {
+    const int32_t *table = tables + (int64_t)b * table_width;
+    for (int p = 0; p < len && p < PREFETCH_SLOTS; p += block_size) {
+        const size_t at = ((size_t)h * cache_slots + (size_t)table[p / block_size] * block_size)
+                          * row_bytes;
+        const size_t bytes = (size_t)(len - p < block_size ? len - p : block_size) * row_bytes;
+        for (size_t line = 0; line < bytes; line += 64) {
+            _mm_prefetch((const char *)k_cache + at + line, _MM_HINT_T1);
+            _mm_prefetch((const char *)v_cache + at + line, _MM_HINT_T1);
+        }
+    }
+}
+
 /* One layer's step: the new keys and values of all `rows` tokens written to
    their slots, then attention for the first `batch` rows (one-token decodes)
    into out [batch, heads * dim]. q [rows, heads, dim], k and v [rows, kv_heads,
@@ -185,9 +203,18 @@ void paged_decode(const void *q, int64_t q_stride, const void *k, int64_t k_stri
                 memcpy((char *)v_cache + at, (const char *)v + width * t * v_stride + from,
                        row_bytes);
             }
-        #pragma omp for collapse(2) schedule(dynamic)
+        /* whole sequences dealt out in turn, so that each thread knows its next
+           task and starts its keys and values on their way from memory (with a
+           dynamic schedule and no prefetch: 1.4x the time at 64 decodes) */
+        const int threads = omp_get_num_threads();
+        #pragma omp for schedule(static, 1)
         for (int b = 0; b < batch; b++) {
             for (int h = 0; h < kv_heads; h++) {
+                int next_b = h + 1 < kv_heads ? b : b + threads;
+                if (next_b < batch)
+                    prefetch_task(k_cache, v_cache, cache_slots, row_bytes, tables, table_width,
+                                  lengths[next_b], block_size, next_b,
+                                  h + 1 < kv_heads ? h + 1 : 0);
                 const int len = lengths[b];
                 const int32_t *table = tables + (int64_t)b * table_width;
                 /* on the stack up to 2048 positions (40 KB at a group of 3) */
