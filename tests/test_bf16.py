@@ -5,7 +5,8 @@ The question is one whose answer fp32 picks by a clear margin at every token
 (2.5 logits or more, 0.97 for the closing period). "What is the capital of
 France?" is not: fp32 prefers "The" to "L" by 0.08 logits, so any change of
 rounding flips it (oneDNN's bf16 qkv against qgemm's, both exact sums of the
-same bf16 numbers, agree on only 94% of greedy tokens over test_model's chats)."""
+same bf16 numbers, pick the same top token at only 94% of the positions of
+bench/quant_accuracy.py's chats)."""
 
 from __future__ import annotations
 
