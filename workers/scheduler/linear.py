@@ -30,7 +30,6 @@ class Kernels:
     amx: bool = False  # 4- and 8-bit on bf16 activations through qgemm_amx.c
     vnni: bool = False  # 4- and 8-bit on int8 activations through qgemm_vnni.c
     fine: bool = False  # with vnni: its fine kernels, activations rounded to 14 bits
-    qgemm_rows: int = 0  # rows qgemm serves up to; 0: its crossover below
 
     def small_batch(self, dtype: torch.dtype) -> int:
         """Rows up to which the 4-bit path beats the dense matmul, measured as
@@ -59,7 +58,7 @@ class Kernels:
         if self.amx and dtype == torch.bfloat16:
             return 64
         if self.qgemm:
-            return self.qgemm_rows or (40 if dtype == torch.float32 else 12)
+            return 40 if dtype == torch.float32 else 12
         if self.onednn:
             return 12 if dtype == torch.float32 else 10
         return {torch.bfloat16: 32, torch.float32: 16}.get(dtype, -1)

@@ -4,9 +4,9 @@
 # exact. On an AMD Zen 4 it took 0.25-0.3x oneDNN's dense bf16 time at 1 row,
 # 0.5-0.65x at 16, 0.7x at 64 and 0.72-0.78x at 128-512 (all 30 layers'
 # projections, streamed). The fine kernels round x to 14 bits instead (two
-# int8 parts), for projections whose errors int8 would let through; they are
-# more accurate than bf16 activations. `load()` says None without VNNI or a
-# compiler.
+# int8 parts), for projections whose errors int8 would let through: they move
+# the answer less than rounding it to bf16 does. `load()` says None without
+# VNNI or a compiler.
 
 from __future__ import annotations
 
