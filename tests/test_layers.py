@@ -23,15 +23,21 @@ def all_logits(engine: Engine, plan) -> torch.Tensor:
                                     torch.arange(plan.num_tokens), engine.attention)
 
 
-@pytest.fixture(scope="module")
-def engine(model_files):
-    engine = Engine(model_files.path, SchedulerConfig(dtype="bfloat16", max_batch_tokens=12))
+def make_engine(model_files, dtype: str) -> Engine:
+    engine = Engine(model_files.path, SchedulerConfig(dtype=dtype, max_batch_tokens=12))
     if engine.model.driver is None:
         pytest.skip("some kernel of a layer is not ours on this host (layers.Driver.build)")
     return engine
 
 
-def test_one_call_gives_the_python_forwards_logits(engine):
+@pytest.fixture(scope="module")
+def engine(model_files):
+    return make_engine(model_files, "bfloat16")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "auto"])  # auto: fp32 on an AVX2-only CPU
+def test_one_call_gives_the_python_forwards_logits(model_files, dtype):
+    engine = make_engine(model_files, dtype)
     driver = engine.model.driver
     sampling = Sampling(max_tokens=8, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(([1, 2, 3, 4, 5], [9, 8, 7, 6, 5, 4, 3])):

@@ -1,8 +1,9 @@
-"""qgemm_vnni.c: the checkpoint's 4- and 8-bit weights on int8 activations (and,
-in its fine kernels, 14-bit ones). The kernel's answer is held to the same sum
-computed here in fp64 (activations rounded per row and group of 32 as the
-kernel rounds them), and to the exact bf16 matmul within the rounding of the
-activations; and to the choice of kernels that `--activations` makes."""
+"""qgemm_vnni.c and qgemm_avx2.c: the checkpoint's 4- and 8-bit weights on int8
+activations (and, in their fine kernels, 14-bit ones). Each kernel's answer is
+held to the same sum computed here in fp64 (activations rounded per row and
+group of 32 as the kernel rounds them), and to the exact matmul within the
+rounding of the activations; and to the choice of kernels that `--activations`
+makes. The AVX2 build runs on every AVX2 host, VNNI ones too."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from safetensors import safe_open
 from pipeline.errors import ConfigError
 from workers.scheduler import qgemm_vnni
 from workers.scheduler.calibrate import choose_kernels
-from workers.scheduler.linear import Int4, Int8, Kernels, make_linear
+from workers.scheduler.linear import Int4, Kernels, make_linear, quantize_int4, quantize_int8
 from workers.scheduler.model import read_spec
 
-needs_vnni = pytest.mark.skipif(qgemm_vnni.load() is None,
-                                reason="no avx512_vnni CPU or no C compiler")
+LIBRARIES = {"vnni": qgemm_vnni.load, "avx2": qgemm_vnni.load_avx2}
+each_library = pytest.mark.parametrize("on", [
+    pytest.param(name, marks=pytest.mark.skipif(load() is None, reason=f"no {name} build here"))
+    for name, load in LIBRARIES.items()])
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +29,24 @@ def checkpoint(model_files):
     with safe_open(str(path), framework="pt") as f:
         return {name: f.get_tensor(name) for name in (
             "model.layers.7.mlp.down_proj.weight", "model.embed_tokens.weight")}
+
+
+def weights(checkpoint) -> list[tuple[torch.Tensor, int]]:
+    """A Q4_1 weight and (part of) the Q8_0 embedding, with their bits."""
+    return [(checkpoint["model.layers.7.mlp.down_proj.weight"], 4),
+            (checkpoint["model.embed_tokens.weight"][:1024], 8)]
+
+
+def blocks(weight: torch.Tensor, bits: int, fine: bool, on: str) -> qgemm_vnni.Blocked:
+    if bits == 4:
+        levels, scales_zeros, error = quantize_int4(weight)
+        scale, zero = scales_zeros[..., 0].t(), scales_zeros[..., 1].t()
+        packed = qgemm_vnni.pack_q4(levels, scale, zero - 8 * scale, fine, on)
+    else:
+        levels, scale, error = quantize_int8(weight)
+        packed = qgemm_vnni.pack_q8(levels, scale.reshape(levels.shape[0], -1), fine, on)
+    assert error < 1e-3  # the checkpoint's own levels
+    return packed
 
 
 def int8_groups(x: torch.Tensor, top: float = 127.0) -> torch.Tensor:
@@ -45,75 +66,101 @@ def relative_error(mine: torch.Tensor, theirs: torch.Tensor) -> float:
     return ((mine.double() - theirs.double()).norm() / theirs.double().norm()).item()
 
 
-@needs_vnni
-def test_vnni_sums_int8_activations_exactly(checkpoint):
-    """Every row-block shape (1-12 rows, blocks split evenly past 12), 4- and
-    8-bit, fp32 and bf16 answers."""
+@each_library
+def test_kernels_sum_int8_activations_exactly(checkpoint, on):
+    """Every row-block shape (VNNI 1-12 rows, AVX2 1-4, blocks split evenly
+    past them), 4- and 8-bit, fp32 and bf16 answers."""
     generator = torch.Generator().manual_seed(0)
-    down = checkpoint["model.layers.7.mlp.down_proj.weight"]  # Q4_1
-    embed = checkpoint["model.embed_tokens.weight"][:1024]  # Q8_0
-    for weight, kind in ((down, Int4), (embed, Int8)):
-        linear = make_linear(weight, None, torch.bfloat16, "lossless", Kernels(vnni=True))
-        assert type(linear) is kind and linear.vnni is not None
+    for weight, bits in weights(checkpoint):
+        packed = blocks(weight, bits, False, on)
         exact = weight.double().t()
-        for rows in (1, 2, 5, 12, 13, 16, 25, 64):
+        for rows in (1, 2, 3, 5, 6, 12, 13, 16, 25, 64):
             x = torch.randn(rows, weight.shape[1], generator=generator).bfloat16()
             x[0, :32] = 0.0  # a group of zeros: scale 0, no NaN
-            out = qgemm_vnni.matmul(x.float(), linear.vnni)
+            out = qgemm_vnni.matmul(x.float(), packed)
             assert out.shape == (rows, weight.shape[0]) and out.dtype == torch.float32
             # integer dots are exact; what is left is fp32 rounding of the scaled sums
             assert relative_error(out, int8_groups(x) @ exact) < 1e-5
-            # int8 activations move the answer by ~0.5% from the exact bf16 one
+            # int8 activations move the answer by ~0.5% from the exact one
             assert relative_error(out, x.double() @ exact) < 2e-2
-            rounded = qgemm_vnni.matmul(x, linear.vnni)  # bf16 in, bf16 out
+            rounded = qgemm_vnni.matmul(x, packed)  # bf16 in, bf16 out
             assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, out.bfloat16())
 
 
-@needs_vnni
-def test_fine_kernels_sum_14_bit_activations_exactly(checkpoint):
+def test_avx2_kernel_takes_fp32_activations_as_they_are(checkpoint):
+    """The AVX2 build rounds fp32 rows to int8 itself (no bf16 step between)."""
+    if qgemm_vnni.load_avx2() is None:
+        pytest.skip("no AVX2 build here")
+    generator = torch.Generator().manual_seed(2)
+    for weight, bits in weights(checkpoint):
+        packed = blocks(weight, bits, False, "avx2")
+        x = torch.randn(7, weight.shape[1], generator=generator)
+        assert relative_error(qgemm_vnni.matmul(x, packed),
+                              int8_groups(x) @ weight.double().t()) < 1e-5
+
+
+@each_library
+def test_fine_kernels_sum_14_bit_activations_exactly(checkpoint, on):
     """The fine kernels' two int8 parts of each 14-bit level add up exactly:
     the answer is the fp64 sum over x rounded to 14 bits, and within a
     twentieth of int8's distance of the exact one."""
     generator = torch.Generator().manual_seed(1)
-    down = checkpoint["model.layers.7.mlp.down_proj.weight"]  # Q4_1
-    embed = checkpoint["model.embed_tokens.weight"][:1024]  # Q8_0
-    for weight, kind in ((down, Int4), (embed, Int8)):
-        linear = make_linear(weight, None, torch.bfloat16, "lossless",
-                             Kernels(vnni=True, fine=True))
-        assert type(linear) is kind and linear.vnni is not None
+    for weight, bits in weights(checkpoint):
+        packed = blocks(weight, bits, True, on)
         exact = weight.double().t()
-        for rows in (1, 3, 12, 17, 64):
+        for rows in (1, 3, 4, 12, 17, 64):
             x = torch.randn(rows, weight.shape[1], generator=generator).bfloat16()
             x[0, :32] = 0.0
             x[-1, 32:64] *= 1000.0  # a group with one large scale among small ones
-            out = qgemm_vnni.matmul(x.float(), linear.vnni)
+            out = qgemm_vnni.matmul(x.float(), packed)
             assert relative_error(out, int8_groups(x, 127.0 * 128) @ exact) < 1e-5
             fine_error = relative_error(out, x.double() @ exact)
             assert fine_error < 1e-3
             assert fine_error < relative_error(int8_groups(x) @ exact, x.double() @ exact) / 20
 
 
-@needs_vnni
-def test_fine_weights_serve_up_to_64_rows_then_dense(checkpoint):
+def test_the_int8_path_takes_the_cpus_library(checkpoint):
+    """make_linear packs for VNNI where the CPU has it, else for AVX2, which
+    also takes fp32 models."""
     down = checkpoint["model.layers.7.mlp.down_proj.weight"]
-    linear = make_linear(down, None, torch.bfloat16, "lossless",
-                         Kernels(onednn=True, vnni=True, fine=True))
+    lib, suffix = qgemm_vnni.library()
+    if lib is None:
+        pytest.skip("no int8 kernel here")
+    for dtype in (torch.bfloat16, torch.float32):
+        linear = make_linear(down, None, dtype, "lossless", Kernels(vnni=True))
+        assert type(linear) is Int4
+        assert (linear.vnni is not None) == (dtype == torch.bfloat16 or suffix == "avx2")
+        if linear.vnni is not None:
+            assert linear.vnni.same_dtype == (suffix == "avx2")
+
+
+def test_fine_weights_serve_up_to_64_rows_then_dense(checkpoint):
+    lib, suffix = qgemm_vnni.library()
+    if lib is None:
+        pytest.skip("no int8 kernel here")
+    down = checkpoint["model.layers.7.mlp.down_proj.weight"]
+    dtype = torch.bfloat16 if suffix == "vnni" else torch.float32
+    linear = make_linear(down, None, dtype, "lossless", Kernels(onednn=True, vnni=True, fine=True))
     assert linear.vnni is not None and linear.small_batch == 64
-    assert linear.onednn_weight is not None  # prefills past 64 rows run oneDNN's bf16
-    x = torch.randn(65, down.shape[1]).bfloat16()
+    assert linear.onednn_weight is not None  # prefills past 64 rows run oneDNN's
+    x = torch.randn(65, down.shape[1]).to(dtype)
     assert relative_error(linear(x), x.double() @ down.double().t()) < 1e-2
 
 
-@needs_vnni
-def test_vnni_weights_serve_every_batch_without_a_dense_copy(checkpoint):
+def test_int8_weights_serve_every_batch_without_a_dense_copy(checkpoint):
+    lib, suffix = qgemm_vnni.library()
+    if lib is None:
+        pytest.skip("no int8 kernel here")
     down = checkpoint["model.layers.7.mlp.down_proj.weight"]
-    linear = make_linear(down, None, torch.bfloat16, "lossless", Kernels(onednn=True, vnni=True))
+    dtype = torch.bfloat16 if suffix == "vnni" else torch.float32
+    linear = make_linear(down, None, dtype, "lossless", Kernels(onednn=suffix == "vnni",
+                                                                vnni=True))
     assert linear.onednn_weight is None and linear.weight_t is None
-    x = torch.randn(600, down.shape[1]).bfloat16()  # a prefill's rows
+    x = torch.randn(600, down.shape[1]).to(dtype)  # a prefill's rows
     assert relative_error(linear(x), x.double() @ down.double().t()) < 2e-2
-    # fp32 models keep exact activations: the vnni flag does not apply to them
-    fp32 = make_linear(down, None, torch.float32, "lossless", Kernels(onednn=True, vnni=True))
-    assert fp32.vnni is None and fp32.onednn_weight is not None
+    if suffix == "vnni":  # VNNI's kernels take bf16 models only
+        fp32 = make_linear(down, None, torch.float32, "lossless", Kernels(onednn=True, vnni=True))
+        assert fp32.vnni is None and fp32.onednn_weight is not None
 
 
 def test_activations_option_chooses_the_kernels(model_files):
@@ -122,10 +169,9 @@ def test_activations_option_chooses_the_kernels(model_files):
         choose_kernels(cpu, torch.bfloat16, spec, True, "int4")
     assert not choose_kernels(cpu, torch.bfloat16, spec, True, "exact").vnni
     assert not choose_kernels(cpu, torch.bfloat16, spec, False, "auto").vnni  # no 4-bit weights
-    if qgemm_vnni.load() is None:
-        with pytest.raises(ConfigError):
-            choose_kernels(cpu, torch.bfloat16, spec, True, "int8")
-    else:
-        assert choose_kernels(cpu, torch.bfloat16, spec, True, "int8").vnni
-    with pytest.raises(ConfigError):  # int8 activations need a bf16 model
-        choose_kernels(cpu, torch.float32, spec, True, "int8")
+    for dtype in (torch.bfloat16, torch.float32):
+        if qgemm_vnni.takes(dtype):
+            assert choose_kernels(cpu, dtype, spec, True, "int8").vnni
+        else:  # VNNI takes bf16 models only; without AVX2 or a compiler, none
+            with pytest.raises(ConfigError):
+                choose_kernels(cpu, dtype, spec, True, "int8")

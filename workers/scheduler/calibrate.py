@@ -46,7 +46,11 @@ def onednn_is_faster(dtype: torch.dtype, in_dim: int, out_dim: int) -> bool:
     """oneDNN on a packed weight against torch's own matmul (MKL's sgemm for
     fp32) on one of the model's projections at 32 rows."""
     weight, x = torch.randn(out_dim, in_dim), torch.randn(32, in_dim, dtype=dtype)
-    onednn, blas = (Dense(weight, None, dtype, Kernels(onednn=flag)) for flag in (True, False))
+    try:
+        onednn = Dense(weight, None, dtype, Kernels(onednn=True))
+    except RuntimeError:  # e.g. bf16 on a CPU without avx512bw/vl/dq or avx_ne_convert
+        return False
+    blas = Dense(weight, None, dtype, Kernels(onednn=False))
     onednn_s, blas_s = best_times([lambda: onednn(x), lambda: blas(x)])
     return onednn_s < 0.9 * blas_s
 
@@ -89,21 +93,20 @@ def choose_kernels(device: torch.device, dtype: torch.dtype, spec,
     `activations` (auto | exact | int8): whether qgemm_vnni.c may round them."""
     if activations not in ("auto", "exact", "int8"):
         raise ConfigError(f"unknown activations {activations!r}: one of auto, exact, int8")
-    int8 = (device.type == "cpu" and quantized and dtype == torch.bfloat16
-            and qgemm_vnni.load() is not None)
+    int8 = device.type == "cpu" and quantized and qgemm_vnni.takes(dtype)
     if activations == "int8" and not int8:
-        raise ConfigError("activations int8 needs a bfloat16 model on a CPU with avx512_vnni "
-                          "and avx512_bf16, 4- or 8-bit weights, and a C compiler")
+        raise ConfigError("activations int8 needs 4- or 8-bit weights, a C compiler and a CPU "
+                          "with AVX2 (fp32 or bf16 models) or avx512_vnni (bf16 models)")
     if device.type != "cpu":
         return Kernels()
     shape = (spec.hidden_size, 2 * spec.intermediate_size)  # gate_up: the largest per layer
     onednn = torch.backends.mkldnn.is_available() and onednn_is_faster(dtype, *shape)
     amx = quantized and dtype == torch.bfloat16 and qgemm_amx.load() is not None
     if int8 and activations != "exact" and (activations == "int8" or not amx):
-        # every batch, 0.25-0.78x oneDNN bf16's time on an AMD Zen 4 (linear.Kernels);
-        # the projections that int8 is too coarse for (model.LlamaModel) take its
-        # fine kernels up to 64 rows, so that layers.c runs whole decode steps, and
-        # oneDNN beyond
+        # every batch: VNNI 0.25-0.78x oneDNN bf16's time on an AMD Zen 4, AVX2
+        # 0.2-0.75x oneDNN fp32's on a Zen 3 (linear.Kernels); the projections
+        # that int8 is too coarse for (model.LlamaModel) take the fine kernels up
+        # to 64 rows, so that layers.c runs whole decode steps, and oneDNN beyond
         return Kernels(onednn=onednn, vnni=True)
     if amx:
         # Intel AMX: 0.34-0.69x oneDNN's time from 1 to 64 rows (linear.Kernels)

@@ -77,7 +77,8 @@ def resolve_quantization(name: str, device: torch.device, dtype_name: str,
                          fp32_kernel: bool = False) -> str:
     """make_linear's mode. The 4-bit kernels are the CPU's. An explicit float32
     promises fp32 numerics throughout, which only qgemm keeps (`fp32_kernel`:
-    fp32 activations on the checkpoint's exact weights); torch's takes bf16."""
+    fp32 activations on the checkpoint's exact weights, or int8 ones asked for
+    by name); torch's takes bf16."""
     if name not in ("auto", "int4", "none"):
         raise ConfigError(f"unknown quantization {name!r}: one of auto, int4, none")
     if name == "none":
@@ -100,10 +101,13 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         spec = read_spec(Path(model_path))
+        # an explicit float32 keeps fp32 activations unless int8 is asked for by name
+        activations = ("exact" if config.dtype == "float32" and config.activations == "auto"
+                       else config.activations)
         self.kernels = choose_kernels(self.device, self.dtype, spec,
-                                      config.quantization != "none", config.activations)
+                                      config.quantization != "none", activations)
         self.quantization = resolve_quantization(config.quantization, self.device, config.dtype,
-                                                 self.kernels.qgemm)
+                                                 self.kernels.qgemm or self.kernels.vnni)
         if self.quantization == "none":
             self.kernels = replace(self.kernels, qgemm=False, vnni=False)
         self.model = LlamaModel.load(Path(model_path), spec, self.device, self.dtype,

@@ -1,5 +1,5 @@
-/* Every decoder layer of one step in one call (layers.py), for a bf16 model
-   whose kernels are all ours at the step's row count: a decode step of a few
+/* Every decoder layer of one step in one call (layers.py), for a bf16 or fp32
+   model whose kernels are all ours at the step's row count: a decode step of a few
    rows otherwise spends about a third of its time in Python between its ~300
    kernel calls. The kernels come as pointers into their own libraries and are
    called in the order, and on the buffers, that model.LlamaModel._layers uses,
@@ -33,38 +33,40 @@ typedef struct {
     int hidden, inter, heads, kv_heads, dim;
     float eps, scale;
     int64_t cache_slots;
+    int bf16;  /* activations, weights of the norms, rope tables and KV cache: else fp32 */
 } Model;
 typedef struct {  /* the attention kernel's per-step arguments (paged.InPlace.prepare) */
     const int64_t *slots; int batch; const int32_t *tables; int width;
     const int32_t *lengths; int block_size;
 } Step;
 
-/* h [rows, hidden] bf16, the residual stream after the embedding, updated in place. */
+/* h [rows, hidden], the residual stream after the embedding, updated in place. */
 void decode_layers(const Model *m, const Layer *layers, int num_layers, const Step *s,
                    int rows, const int64_t *positions, const void *cos, const void *sin,
-                   uint16_t *h) {
+                   void *h) {
     const int nq = m->heads * m->dim, nkv = m->kv_heads * m->dim, width = nq + 2 * nkv;
-    const size_t r = (size_t)rows;
-    uint16_t *x = malloc(2 * r * m->hidden), *qkv = malloc(2 * r * width);
-    uint16_t *att = malloc(2 * r * nq), *delta = malloc(2 * r * m->hidden);
-    uint16_t *gate_up = malloc(4 * r * m->inter), *act = malloc(2 * r * m->inter);
-    m->norm(h, NULL, layers[0].input_norm, x, rows, m->hidden, m->eps, 1);
+    const int bf16 = m->bf16;
+    const size_t r = (size_t)rows, size = bf16 ? 2 : 4;
+    char *x = malloc(size * r * m->hidden), *qkv = malloc(size * r * width);
+    char *att = malloc(size * r * nq), *delta = malloc(size * r * m->hidden);
+    char *gate_up = malloc(2 * size * r * m->inter), *act = malloc(size * r * m->inter);
+    m->norm(h, NULL, layers[0].input_norm, x, rows, m->hidden, m->eps, bf16);
     for (int l = 0; l < num_layers; l++) {
         const Layer *L = layers + l;
-        L->qkv.fn(x, rows, m->hidden, L->qkv.w, qkv, 1, width);
-        m->rope(qkv, width, rows, m->heads + m->kv_heads, m->dim, positions, cos, sin, 1);
-        m->attend(qkv, width, qkv + nq, width, qkv + nq + nkv, width, 1, rows, s->slots,
-                  s->batch, m->heads, m->kv_heads, m->dim, L->k_cache, L->v_cache,
-                  m->cache_slots, s->tables, s->width, s->lengths, s->block_size, m->scale,
-                  att);
-        L->o.fn(att, rows, nq, L->o.w, delta, 1, m->hidden);
-        m->norm(h, delta, L->post_norm, x, rows, m->hidden, m->eps, 1);
-        L->gate_up.fn(x, rows, m->hidden, L->gate_up.w, gate_up, 1, 2 * m->inter);
-        m->silu(gate_up, act, rows, m->inter, 1);
-        L->down.fn(act, rows, m->inter, L->down.w, delta, 1, m->hidden);
+        L->qkv.fn(x, rows, m->hidden, L->qkv.w, qkv, bf16, width);
+        m->rope(qkv, width, rows, m->heads + m->kv_heads, m->dim, positions, cos, sin, bf16);
+        m->attend(qkv, width, qkv + size * nq, width, qkv + size * (nq + nkv), width, bf16,
+                  rows, s->slots, s->batch, m->heads, m->kv_heads, m->dim, L->k_cache,
+                  L->v_cache, m->cache_slots, s->tables, s->width, s->lengths, s->block_size,
+                  m->scale, att);
+        L->o.fn(att, rows, nq, L->o.w, delta, bf16, m->hidden);
+        m->norm(h, delta, L->post_norm, x, rows, m->hidden, m->eps, bf16);
+        L->gate_up.fn(x, rows, m->hidden, L->gate_up.w, gate_up, bf16, 2 * m->inter);
+        m->silu(gate_up, act, rows, m->inter, bf16);
+        L->down.fn(act, rows, m->inter, L->down.w, delta, bf16, m->hidden);
         /* the next layer's norm; after the last, only h += delta (x is not used) */
         const void *next = l + 1 < num_layers ? layers[l + 1].input_norm : L->post_norm;
-        m->norm(h, delta, next, x, rows, m->hidden, m->eps, 1);
+        m->norm(h, delta, next, x, rows, m->hidden, m->eps, bf16);
     }
     free(x); free(qkv); free(att); free(delta); free(gate_up); free(act);
 }

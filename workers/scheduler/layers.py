@@ -1,7 +1,8 @@
 # All decoder layers of a step in one C call (layers.c), where every kernel a
-# layer needs at the step's row count is one of ours: a bf16 model on the CPU
-# whose projections run qgemm's bf16 kernel or qgemm_vnni, with ops.c and the
-# in-place attention kernel. A step of a few rows otherwise spends about a
+# layer needs at the step's row count is one of ours: a model on the CPU whose
+# projections run qgemm's bf16 kernel or the int8 blocks (qgemm_vnni.c on a
+# bf16 model, qgemm_avx2.c on a bf16 or fp32 one), with ops.c and the in-place
+# attention kernel. A step of a few rows otherwise spends about a
 # third of its time in Python between ~300 kernel calls. `Driver.build` says
 # None where that does not hold, and the forward pass stays in Python.
 
@@ -33,7 +34,8 @@ class Model(ctypes.Structure):
     _fields_ = [("norm", P), ("rope", P), ("silu", P), ("attend", P),
                 ("hidden", ctypes.c_int), ("inter", ctypes.c_int), ("heads", ctypes.c_int),
                 ("kv_heads", ctypes.c_int), ("dim", ctypes.c_int), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("cache_slots", ctypes.c_int64)]
+                ("scale", ctypes.c_float), ("cache_slots", ctypes.c_int64),
+                ("bf16", ctypes.c_int)]
 
 
 class Step(ctypes.Structure):
@@ -45,13 +47,17 @@ def address(function) -> int:
     return ctypes.cast(function, ctypes.c_void_p).value
 
 
-def kernel_of(linear: Dense) -> tuple[int, int, int] | None:
+def kernel_of(linear: Dense, dtype: torch.dtype) -> tuple[int, int, int] | None:
     """(function, weight, rows it serves up to) where the projection runs a
-    kernel of layers.c's matmul signature; None elsewhere."""
+    kernel of layers.c's matmul signature on activations of `dtype`; None
+    elsewhere. (VNNI's and qgemm's bf16 kernels read x in bf16, AVX2's in y's
+    dtype.)"""
     if linear.bias is not None:
         return None
     packed = linear.vnni or (linear.qgemm if linear.qgemm and linear.qgemm.blocked else None)
     if packed is None:
+        return None
+    if dtype != torch.bfloat16 and not getattr(packed, "same_dtype", False):
         return None
     return address(packed.kernel), packed.q.data_ptr(), linear.small_batch
 
@@ -65,21 +71,22 @@ class Driver:
         self.model = Model(address(ops.norm), address(ops.rope), address(ops.silu),
                            address(kernel.kernel), spec.hidden_size, spec.intermediate_size,
                            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_eps,
-                           attention.scale, kernel.slots)
+                           attention.scale, kernel.slots, model.dtype == torch.bfloat16)
 
     @classmethod
     def build(cls, model, attention) -> Driver | None:
         """The driver for `model` (model.LlamaModel) on `attention`'s cache
         (attention.TorchAttention), or None where a part is not one of ours."""
         lib = load()
-        if (lib is None or model.dtype != torch.bfloat16 or model.spec.qk_norm
-                or not isinstance(model.ops, fused.NativeOps)
+        if (lib is None or model.dtype not in (torch.bfloat16, torch.float32)
+                or model.spec.qk_norm or not isinstance(model.ops, fused.NativeOps)
                 or getattr(attention, "kernel", None) is None
-                or attention.kernel.dtype != torch.bfloat16):
+                or attention.kernel.dtype != model.dtype):
             return None
         layers, max_rows = [], 1 << 30
         for index, layer in enumerate(model.layers):
-            projections = [kernel_of(p) for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            projections = [kernel_of(p, model.dtype)
+                           for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             if None in projections:
                 return None
             max_rows = min([max_rows] + [rows for _, _, rows in projections])
@@ -92,7 +99,7 @@ class Driver:
         return rows <= self.max_rows and attend is self.attention
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor) -> None:
-        """All layers on the residual stream h [rows, hidden] (bf16, in place);
+        """All layers on the residual stream h [rows, hidden] (in place);
         the attention's step arguments are this step's (attention.prepare)."""
         slots, batch, tables, width, lengths, block_size = self.attention.kernel.step_args
         step = Step(slots, batch, tables, width, lengths, block_size)

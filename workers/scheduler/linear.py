@@ -53,7 +53,7 @@ class Kernels:
         - its fine kernels beside oneDNN bf16 (AMD Zen 5, 30 qkv weights): 64,
           the rows layers.c takes (0.33x at 1 row, 0.77x at 16, 1.14x at 64,
           1.3-1.5x at 128-512; against qgemm_bf16.c 0.67-0.94x)."""
-        if self.vnni and dtype == torch.bfloat16:
+        if self.vnni and qgemm_vnni.takes(dtype):
             return FINE_ROWS if self.fine else sys.maxsize
         if self.amx and dtype == torch.bfloat16:
             return 64
@@ -204,8 +204,7 @@ def uses_amx(kernels: Kernels, dtype: torch.dtype, weight: torch.Tensor) -> bool
 
 
 def uses_vnni(kernels: Kernels, dtype: torch.dtype, weight: torch.Tensor) -> bool:
-    return (kernels.vnni and dtype == torch.bfloat16
-            and qgemm_vnni.fits(*weight.shape) and qgemm_vnni.load() is not None)
+    return kernels.vnni and qgemm_vnni.fits(*weight.shape) and qgemm_vnni.takes(dtype)
 
 
 def on_grid(exact: torch.Tensor, low: int, high: int) -> tuple[torch.Tensor, float]:

@@ -5,8 +5,9 @@
 # 0.5-0.65x at 16, 0.7x at 64 and 0.72-0.78x at 128-512 (all 30 layers'
 # projections, streamed). The fine kernels round x to 14 bits instead (two
 # int8 parts), for projections whose errors int8 would let through: they move
-# the answer less than rounding it to bf16 does. `load()` says None without
-# VNNI or a compiler.
+# the answer less than rounding it to bf16 does. On CPUs with AVX2 and no VNNI,
+# qgemm_avx2.c runs the same blocks (vpmaddubsw + vpmaddwd for vpdpbusd) on
+# fp32 or bf16 activations. `library()` says None without either or a compiler.
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 from workers.scheduler import native, qgemm
 
 SOURCE = Path(__file__).with_name("qgemm_vnni.c")
+SOURCE_AVX2 = Path(__file__).with_name("qgemm_avx2.c")
 FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni")
 NEEDS = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
                    "avx512_vnni"})
@@ -37,6 +39,7 @@ class Blocked:
     q: torch.Tensor
     out_dim: int
     kernel: Callable  # q4_gemm_vnni, q8_gemm_vnni or a fine one, bound once for the hot path
+    same_dtype: bool = False  # the kernel reads x in y's dtype (AVX2), not always bf16 (VNNI)
 
 
 def _per_block(values: torch.Tensor) -> torch.Tensor:
@@ -55,24 +58,31 @@ def _lanes(levels: torch.Tensor) -> torch.Tensor:
 
 
 def pack_q4(levels: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
-            fine: bool = False) -> Blocked:
+            fine: bool = False, on: str | None = None) -> Blocked:
     """levels [out, in] in [0, 15]; w = level * scale + low, scale and low [out, in / 32].
-    Parts j and j + 4 share bytes (low and high nibbles). `fine`: 14-bit x."""
+    Parts j and j + 4 share bytes (low and high nibbles). `fine`: 14-bit x;
+    `on`: "vnni" or "avx2" (else this CPU's library())."""
     parts = _lanes(levels.to(torch.uint8))
     q = (parts[:, :, :4] | (parts[:, :, 4:] << 4)).flatten(2)
-    lib = load()
-    return Blocked(4, torch.cat([q, _per_block(scale), _per_block(low)], dim=-1).contiguous(),
-                   levels.shape[0], lib.q4_gemm_vnni_fine if fine else lib.q4_gemm_vnni)
+    return _bound(4, torch.cat([q, _per_block(scale), _per_block(low)], dim=-1), levels, fine,
+                  on)
 
 
-def pack_q8(levels: torch.Tensor, scale: torch.Tensor, fine: bool = False) -> Blocked:
+def pack_q8(levels: torch.Tensor, scale: torch.Tensor, fine: bool = False,
+            on: str | None = None) -> Blocked:
     """levels [out, in] in [-127, 127]; w = level * scale, scale [out, in / 32].
     Stored unsigned, level + 128, with low = -128 scale. `fine`: 14-bit x."""
     q = _lanes((levels + 128).to(torch.uint8)).flatten(2)
-    lib = load()
-    return Blocked(8, torch.cat([q, _per_block(scale), _per_block(-128 * scale)],
-                                dim=-1).contiguous(), levels.shape[0],
-                   lib.q8_gemm_vnni_fine if fine else lib.q8_gemm_vnni)
+    return _bound(8, torch.cat([q, _per_block(scale), _per_block(-128 * scale)], dim=-1),
+                  levels, fine, on)
+
+
+def _bound(bits: int, q: torch.Tensor, levels: torch.Tensor, fine: bool,
+           on: str | None) -> Blocked:
+    """The blocks with the kernel they run on: `on`'s, else this CPU's."""
+    lib, suffix = library() if on is None else ({"vnni": load, "avx2": load_avx2}[on](), on)
+    kernel = getattr(lib, f"q{bits}_gemm_{suffix}" + ("_fine" if fine else ""))
+    return Blocked(bits, q.contiguous(), levels.shape[0], kernel, suffix == "avx2")
 
 
 def fits(out_dim: int, in_dim: int) -> bool:
@@ -81,8 +91,13 @@ def fits(out_dim: int, in_dim: int) -> bool:
 
 def matmul(x: torch.Tensor, w: Blocked) -> torch.Tensor:
     """x [rows, in] @ w.T -> [rows, out], in x's dtype if bf16 or fp32 (else
-    fp32); x is taken in bf16 and rounded to int8 (or 14 bits) by the kernel."""
-    x, dtype = qgemm.bf16_rows(x)
+    fp32); x is taken in bf16 (VNNI) or as it is (AVX2) and rounded to int8 (or
+    14 bits) by the kernel."""
+    if w.same_dtype:
+        dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.float32
+        x = x.to(dtype).contiguous()
+    else:
+        x, dtype = qgemm.bf16_rows(x)
     rows, in_dim = x.shape
     out = torch.empty(rows, w.out_dim, dtype=dtype)
     w.kernel(x.data_ptr(), rows, in_dim, w.q.data_ptr(), out.data_ptr(),
@@ -90,13 +105,40 @@ def matmul(x: torch.Tensor, w: Blocked) -> torch.Tensor:
     return out
 
 
+def _signatures(suffix: str) -> dict[str, list]:
+    P, I32 = native.P, native.I32
+    signature = [P, I32, I32, P, P, I32, I32]  # x, rows, in, weight, y, y (AVX2: x too) bf16, out
+    return {f"q{bits}_gemm_{suffix}{fine}": signature for bits in (4, 8) for fine in ("", "_fine")}
+
+
 @cache
 def load() -> ctypes.CDLL | None:
-    P, I32 = native.P, native.I32
-    signature = [P, I32, I32, P, P, I32, I32]  # x, rows, in, weight, y, y is bf16, out
-    names = ("q4_gemm_vnni", "q8_gemm_vnni", "q4_gemm_vnni_fine", "q8_gemm_vnni_fine")
-    return native.load(SOURCE, {name: signature for name in names}, FLAGS, NEEDS)
+    """The VNNI build, where the CPU has it."""
+    return native.load(SOURCE, _signatures("vnni"), FLAGS, NEEDS)
+
+
+@cache
+def load_avx2() -> ctypes.CDLL | None:
+    return native.load(SOURCE_AVX2, _signatures("avx2"), ("-mf16c",),
+                       frozenset({"avx2", "fma", "f16c"}))
+
+
+def library() -> tuple[ctypes.CDLL | None, str]:
+    """The kernels this CPU runs the blocks on: VNNI's, else AVX2's."""
+    lib = load()
+    return (lib, "vnni") if lib is not None else (load_avx2(), "avx2")
+
+
+def takes(dtype: torch.dtype) -> bool:
+    """Whether a model of `dtype` can run its 4- and 8-bit weights here: VNNI
+    takes bf16 activations (it is chosen with avx512_bf16); AVX2 fp32 or bf16."""
+    lib, suffix = library()
+    return lib is not None and (dtype == torch.bfloat16 or suffix == "avx2")
 
 
 def build() -> Path:
     return native.build(SOURCE, FLAGS)
+
+
+def build_avx2() -> Path:
+    return native.build(SOURCE_AVX2, ("-mf16c",))
