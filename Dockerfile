@@ -14,7 +14,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && python -c "from workers.scheduler import fused, layers, native, paged, qgemm, \
 qgemm_amx, qgemm_vnni; fused.build(); fused.build(native.AVX512); paged.build(); \
 paged.build(native.AVX512); qgemm.build(); qgemm.build_bf16(); qgemm_amx.build(); \
-qgemm_vnni.build(); layers.build()" \
+qgemm_vnni.build(); qgemm_vnni.build_avx2(); layers.build()" \
     && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*
 ENV PIPELINE_REDIS_URL=redis://redis:6379/0 PIPELINE_HOST=0.0.0.0
 ENTRYPOINT ["pipeline"]

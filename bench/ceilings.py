@@ -5,7 +5,7 @@ cache: fp32 through MKL and through oneDNN, bf16 through torch's matmul and
 oneDNN (only on a CPU with a bf16 matmul: elsewhere it is emulated, ~150x
 slower), 4-bit through torch's kernel and through ours (qgemm on fp32
 activations, on bf16 where the CPU has avx512_bf16, and on AMX tiles where it
-has amx_bf16; on int8 activations where it has avx512_vnni). Any engine step
+has amx_bf16; on int8 activations where it has avx512_vnni, or AVX2 alone). Any engine step
 is slower than its row here.
 Run: .venv/bin/python bench/ceilings.py [--threads N]"""
 
@@ -48,8 +48,10 @@ def step_ms(rows: int, kind: str) -> float:
         weight = torch.randn(out_dim, in_dim, generator=generator) * 0.02
         x = torch.randn(rows, in_dim, generator=generator)
         if kind.startswith("4-bit"):
-            kernels = Kernels(qgemm="qgemm" in kind, amx="amx" in kind, vnni="vnni" in kind)
-            dtype = torch.float32 if kind in ("4-bit torch", "4-bit qgemm") else torch.bfloat16
+            int8 = "vnni" in kind or "avx2" in kind
+            kernels = Kernels(qgemm="qgemm" in kind, amx="amx" in kind, vnni=int8)
+            dtype = (torch.float32 if kind in ("4-bit torch", "4-bit qgemm", "4-bit avx2 int8")
+                     else torch.bfloat16)
             if out_dim == VOCAB:  # the lm_head is 8-bit (Q8_0)
                 levels, scale, _ = quantize_int8(weight)
                 layer = Int8(weight, None, dtype, levels, scale, kernels)
@@ -86,7 +88,9 @@ def main() -> None:
              *(["4-bit qgemm"] if qgemm.load() is not None else []),
              *(["4-bit qgemm bf16"] if qgemm.load_bf16() is not None else []),
              *(["4-bit amx"] if qgemm_amx.load() is not None else []),
-             *(["4-bit vnni"] if qgemm_vnni.load() is not None else [])]
+             *(["4-bit vnni"] if qgemm_vnni.load() is not None else []),
+             *(["4-bit avx2 int8"] if qgemm_vnni.library()[1] == "avx2"
+               and qgemm_vnni.load_avx2() is not None else [])]
     with torch.inference_mode():
         for rows in (1, 16, 64):
             line = ", ".join(f"{kind} {step_ms(rows, kind):6.1f} ms" for kind in kinds)

@@ -42,15 +42,22 @@ def faster_cpu_dtype() -> torch.dtype:
     return torch.bfloat16 if bf16 < 0.9 * fp32 else torch.float32
 
 
+def onednn_takes(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs a weight of `dtype` on this CPU (bf16 wants
+    avx512bw, avx512vl and avx512dq, or avx_ne_convert: an AMD Zen 3 has neither)."""
+    if dtype != torch.bfloat16:
+        return True
+    flags = cpu_flags()
+    return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+
+
 def onednn_is_faster(dtype: torch.dtype, in_dim: int, out_dim: int) -> bool:
     """oneDNN on a packed weight against torch's own matmul (MKL's sgemm for
     fp32) on one of the model's projections at 32 rows."""
-    weight, x = torch.randn(out_dim, in_dim), torch.randn(32, in_dim, dtype=dtype)
-    try:
-        onednn = Dense(weight, None, dtype, Kernels(onednn=True))
-    except RuntimeError:  # e.g. bf16 on a CPU without avx512bw/vl/dq or avx_ne_convert
+    if not onednn_takes(dtype):
         return False
-    blas = Dense(weight, None, dtype, Kernels(onednn=False))
+    weight, x = torch.randn(out_dim, in_dim), torch.randn(32, in_dim, dtype=dtype)
+    onednn, blas = (Dense(weight, None, dtype, Kernels(onednn=flag)) for flag in (True, False))
     onednn_s, blas_s = best_times([lambda: onednn(x), lambda: blas(x)])
     return onednn_s < 0.9 * blas_s
 
