@@ -46,6 +46,7 @@ from pipeline.streams import (
 )
 from pipeline.tokenizer import Tokenizer
 from pipeline.worker import forever, heartbeat_forever, new_worker_id, retrying
+from workers.scheduler import qgemm_vnni
 from workers.scheduler.engine import Engine, EngineRequest, StepResult
 from workers.text import find_stop, stop_window
 
@@ -289,7 +290,8 @@ class Scheduler:
         return {"model": self.config.model, "dtype": str(engine.dtype).removeprefix("torch."),
                 "quantization": engine.quantization,
                 "dense_matmul": "onednn" if engine.kernels.onednn else "torch",
-                "4bit_matmul": ("vnni" if engine.kernels.vnni else "amx" if engine.kernels.amx
+                "4bit_matmul": (qgemm_vnni.library()[1] if engine.kernels.vnni  # vnni | avx2
+                                else "amx" if engine.kernels.amx
                                 else "qgemm" if engine.kernels.qgemm else "torch"),
                 "activations": "int8" if engine.kernels.vnni else "exact",
                 "num_expired": self.num_expired} | asdict(
