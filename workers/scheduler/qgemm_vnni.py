@@ -23,6 +23,8 @@ from workers.scheduler import native, qgemm
 
 SOURCE = Path(__file__).with_name("qgemm_vnni.c")
 SOURCE_AVX2 = Path(__file__).with_name("qgemm_avx2.c")
+FLAGS_AVX2 = ("-mf16c",)
+NEEDS_AVX2 = frozenset({"avx2", "fma", "f16c"})
 FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni")
 NEEDS = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
                    "avx512_vnni"})
@@ -64,8 +66,8 @@ def pack_q4(levels: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
     `on`: "vnni" or "avx2" (else this CPU's library())."""
     parts = _lanes(levels.to(torch.uint8))
     q = (parts[:, :, :4] | (parts[:, :, 4:] << 4)).flatten(2)
-    return _bound(4, torch.cat([q, _per_block(scale), _per_block(low)], dim=-1), levels, fine,
-                  on)
+    return _bound(4, torch.cat([q, _per_block(scale), _per_block(low)], dim=-1),
+                  levels.shape[0], fine, on)
 
 
 def pack_q8(levels: torch.Tensor, scale: torch.Tensor, fine: bool = False,
@@ -74,15 +76,14 @@ def pack_q8(levels: torch.Tensor, scale: torch.Tensor, fine: bool = False,
     Stored unsigned, level + 128, with low = -128 scale. `fine`: 14-bit x."""
     q = _lanes((levels + 128).to(torch.uint8)).flatten(2)
     return _bound(8, torch.cat([q, _per_block(scale), _per_block(-128 * scale)], dim=-1),
-                  levels, fine, on)
+                  levels.shape[0], fine, on)
 
 
-def _bound(bits: int, q: torch.Tensor, levels: torch.Tensor, fine: bool,
-           on: str | None) -> Blocked:
+def _bound(bits: int, q: torch.Tensor, out_dim: int, fine: bool, on: str | None) -> Blocked:
     """The blocks with the kernel they run on: `on`'s, else this CPU's."""
     lib, suffix = library() if on is None else ({"vnni": load, "avx2": load_avx2}[on](), on)
     kernel = getattr(lib, f"q{bits}_gemm_{suffix}" + ("_fine" if fine else ""))
-    return Blocked(bits, q.contiguous(), levels.shape[0], kernel, suffix == "avx2")
+    return Blocked(bits, q.contiguous(), out_dim, kernel, suffix == "avx2")
 
 
 def fits(out_dim: int, in_dim: int) -> bool:
@@ -119,8 +120,7 @@ def load() -> ctypes.CDLL | None:
 
 @cache
 def load_avx2() -> ctypes.CDLL | None:
-    return native.load(SOURCE_AVX2, _signatures("avx2"), ("-mf16c",),
-                       frozenset({"avx2", "fma", "f16c"}))
+    return native.load(SOURCE_AVX2, _signatures("avx2"), FLAGS_AVX2, NEEDS_AVX2)
 
 
 def library() -> tuple[ctypes.CDLL | None, str]:
@@ -141,4 +141,4 @@ def build() -> Path:
 
 
 def build_avx2() -> Path:
-    return native.build(SOURCE_AVX2, ("-mf16c",))
+    return native.build(SOURCE_AVX2, FLAGS_AVX2)
