@@ -12,9 +12,16 @@ import torch
 from safetensors import safe_open
 
 from pipeline.errors import ConfigError
-from workers.scheduler import qgemm_vnni
+from workers.scheduler import qgemm_amx, qgemm_vnni
 from workers.scheduler.calibrate import choose_kernels
-from workers.scheduler.linear import Int4, Kernels, make_linear, quantize_int4, quantize_int8
+from workers.scheduler.linear import (
+    VNNI_BESIDE_AMX,
+    Int4,
+    Kernels,
+    make_linear,
+    quantize_int4,
+    quantize_int8,
+)
 from workers.scheduler.model import read_spec
 
 LIBRARIES = {"vnni": qgemm_vnni.load, "avx2": qgemm_vnni.load_avx2}
@@ -163,6 +170,28 @@ def test_int8_weights_serve_every_batch_without_a_dense_copy(checkpoint):
         assert fp32.vnni is None and fp32.onednn_weight is not None
 
 
+@pytest.mark.skipif(qgemm_amx.load() is None or qgemm_vnni.load() is None,
+                    reason="no CPU with both AMX and VNNI here")
+def test_beside_amx_int8_serves_small_batches_and_the_tiles_the_rest(checkpoint):
+    """An Intel CPU with AMX: int8 activations up to VNNI_BESIDE_AMX rows, the
+    tiles on bf16 from there to 64, the dense matmul beyond."""
+    for fine in (False, True):
+        for weight, _bits in weights(checkpoint):
+            linear = make_linear(weight, None, torch.bfloat16, "lossless",
+                                 Kernels(onednn=True, amx=True, vnni=True, fine=fine))
+            assert linear.vnni is not None and linear.tiled is not None
+            assert linear.vnni_rows == VNNI_BESIDE_AMX and linear.small_batch == 64
+            assert linear.onednn_weight is not None
+            for rows in (1, VNNI_BESIDE_AMX, VNNI_BESIDE_AMX + 1, 64, 65):
+                x = torch.randn(rows, weight.shape[1]).bfloat16()
+                out = linear(x)
+                if rows <= VNNI_BESIDE_AMX:
+                    assert torch.equal(out, qgemm_vnni.matmul(x, linear.vnni))
+                elif rows <= 64:
+                    assert torch.equal(out, qgemm_amx.matmul(x, linear.tiled))
+                assert relative_error(out, x.double() @ weight.double().t()) < 2e-2
+
+
 def test_activations_option_chooses_the_kernels(model_files):
     spec, cpu = read_spec(model_files.path), torch.device("cpu")
     with pytest.raises(ConfigError):
@@ -171,7 +200,12 @@ def test_activations_option_chooses_the_kernels(model_files):
     assert not choose_kernels(cpu, torch.bfloat16, spec, False, "auto").vnni  # no 4-bit weights
     for dtype in (torch.bfloat16, torch.float32):
         if qgemm_vnni.takes(dtype):
+            # int8 by name: on every row, AMX's tiles or not
             assert choose_kernels(cpu, dtype, spec, True, "int8").vnni
+            assert not choose_kernels(cpu, dtype, spec, True, "int8").amx
+            auto = choose_kernels(cpu, dtype, spec, True, "auto")
+            amx = dtype == torch.bfloat16 and qgemm_amx.load() is not None
+            assert auto.vnni and auto.amx == amx
         else:  # VNNI takes bf16 models only; without AVX2 or a compiler, none
             with pytest.raises(ConfigError):
                 choose_kernels(cpu, dtype, spec, True, "int8")

@@ -109,12 +109,14 @@ def choose_kernels(device: torch.device, dtype: torch.dtype, spec,
     shape = (spec.hidden_size, 2 * spec.intermediate_size)  # gate_up: the largest per layer
     onednn = torch.backends.mkldnn.is_available() and onednn_is_faster(dtype, *shape)
     amx = quantized and dtype == torch.bfloat16 and qgemm_amx.load() is not None
-    if int8 and activations != "exact" and (activations == "int8" or not amx):
+    if int8 and activations != "exact":
         # every batch: VNNI 0.25-0.78x oneDNN bf16's time on an AMD Zen 4, AVX2
         # 0.2-0.75x oneDNN fp32's on a Zen 3 (linear.Kernels); the projections
         # that int8 is too coarse for (model.LlamaModel) take the fine kernels up
-        # to 64 rows, so that layers.c runs whole decode steps, and oneDNN beyond
-        return Kernels(onednn=onednn, vnni=True)
+        # to 64 rows, so that layers.c runs whole decode steps, and oneDNN beyond.
+        # Beside AMX (auto): int8 up to linear.VNNI_BESIDE_AMX rows, the tiles on
+        # bf16 beyond, up to 64
+        return Kernels(onednn=onednn, vnni=True, amx=amx and activations == "auto")
     if amx:
         # Intel AMX: 0.34-0.69x oneDNN's time from 1 to 64 rows (linear.Kernels)
         return Kernels(onednn=onednn, amx=True)

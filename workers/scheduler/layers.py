@@ -59,7 +59,8 @@ def kernel_of(linear: Dense, dtype: torch.dtype) -> tuple[int, int, int] | None:
         return None
     if dtype != torch.bfloat16 and not getattr(packed, "same_dtype", False):
         return None
-    return address(packed.kernel), packed.q.data_ptr(), linear.small_batch
+    return (address(packed.kernel), packed.q.data_ptr(),
+            linear.vnni_rows if linear.vnni is not None else linear.small_batch)
 
 
 class Driver:

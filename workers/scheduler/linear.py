@@ -19,6 +19,10 @@ from workers.scheduler import qgemm, qgemm_amx, qgemm_vnni
 
 GROUP = 32
 FINE_ROWS = 64  # rows a fine-activation weight serves up to; a dense copy beyond
+# rows int8 activations serve beside the AMX tiles, which take over up to 64:
+# paired engine steps (Intel Xeon with AMX) 0.55x the tiles' at 4 rows, 0.6x
+# at 8, 0.72x at 12, 0.85x at 16, 0.98x at 24; 1.5x at 64
+VNNI_BESIDE_AMX = 16
 LOSSLESS = 1e-3  # of a group's scale: the weight was 4- or 8-bit to begin with
 
 
@@ -29,6 +33,7 @@ class Kernels:
     qgemm: bool = False  # 4- and 8-bit through qgemm.c rather than torch's kernel
     amx: bool = False  # 4- and 8-bit on bf16 activations through qgemm_amx.c
     vnni: bool = False  # 4- and 8-bit on int8 activations through qgemm_vnni.c
+    # (with amx too: up to VNNI_BESIDE_AMX rows, the tiles beyond)
     fine: bool = False  # with vnni: its fine kernels, activations rounded to 14 bits
 
     def small_batch(self, dtype: torch.dtype) -> int:
@@ -53,10 +58,10 @@ class Kernels:
         - its fine kernels beside oneDNN bf16 (AMD Zen 5, 30 qkv weights): 64,
           the rows layers.c takes (0.33x at 1 row, 0.77x at 16, 1.14x at 64,
           1.3-1.5x at 128-512; against qgemm_bf16.c 0.67-0.94x)."""
-        if self.vnni and qgemm_vnni.takes(dtype):
-            return FINE_ROWS if self.fine else sys.maxsize
         if self.amx and dtype == torch.bfloat16:
             return 64
+        if self.vnni and qgemm_vnni.takes(dtype):
+            return FINE_ROWS if self.fine else sys.maxsize
         if self.qgemm:
             return 40 if dtype == torch.float32 else 12
         if self.onednn:
@@ -72,6 +77,7 @@ class Dense:
     narrower copy of the weight."""
 
     small_batch = -1  # no narrower copy: every batch is dense
+    vnni_rows = -1  # rows the int8 blocks serve, where the weight has them
     qgemm: qgemm.Packed | None = None  # the narrow copy in one of our kernels' layouts
     tiled: qgemm_amx.Tiled | None = None
     vnni: qgemm_vnni.Blocked | None = None
@@ -113,7 +119,8 @@ class Dense:
     @staticmethod
     def keeps_dense(kernels: Kernels, dtype: torch.dtype, weight: torch.Tensor) -> bool:
         """Whether batches past the narrow copy's reach need a dense copy."""
-        return not uses_vnni(kernels, dtype, weight) or kernels.fine
+        return (not uses_vnni(kernels, dtype, weight) or kernels.fine
+                or uses_amx(kernels, dtype, weight))
 
     def _small_kernels(self, kernels: Kernels, dtype: torch.dtype,
                        weight: torch.Tensor) -> Kernels:
@@ -123,10 +130,12 @@ class Dense:
         kernels = replace(kernels, amx=uses_amx(kernels, dtype, weight),
                           vnni=uses_vnni(kernels, dtype, weight))
         self.small_batch = kernels.small_batch(dtype)
+        self.vnni_rows = (-1 if not kernels.vnni else VNNI_BESIDE_AMX if kernels.amx
+                          else self.small_batch)
         return kernels
 
     def small(self, x: torch.Tensor) -> torch.Tensor:
-        if self.vnni is not None:
+        if self.vnni is not None and x.shape[0] <= self.vnni_rows:
             return qgemm_vnni.matmul(x, self.vnni)
         if self.tiled is not None:
             return qgemm_amx.matmul(x, self.tiled)
@@ -148,10 +157,11 @@ class Int4(Dense):
         super().__init__(weight, bias, dtype, kernels, self.keeps_dense(kernels, dtype, weight))
         kernels = self._small_kernels(kernels, dtype, weight)
         scale, zero = scales_zeros[..., 0].t(), scales_zeros[..., 1].t()
-        if kernels.vnni:
-            self.vnni = qgemm_vnni.pack_q4(levels, scale, zero - 8 * scale, kernels.fine)
-        elif kernels.amx:
-            self.tiled = qgemm_amx.pack_q4(levels, scale, zero - 8 * scale)
+        if kernels.vnni or kernels.amx:  # either or both (int8 up to VNNI_BESIDE_AMX rows)
+            if kernels.vnni:
+                self.vnni = qgemm_vnni.pack_q4(levels, scale, zero - 8 * scale, kernels.fine)
+            if kernels.amx:
+                self.tiled = qgemm_amx.pack_q4(levels, scale, zero - 8 * scale)
         elif kernels.qgemm:
             self.qgemm = qgemm.pack_q4(levels, scales_zeros, qgemm.blocked_for(dtype))
         else:
@@ -176,9 +186,9 @@ class Int8(Dense):
         if kernels.vnni:
             self.vnni = qgemm_vnni.pack_q8(levels, scale.reshape(levels.shape[0], -1),
                                            kernels.fine)
-            return
         if kernels.amx:
             self.tiled = qgemm_amx.pack_q8(levels, scale.reshape(levels.shape[0], -1))
+        if kernels.vnni or kernels.amx:
             return
         if kernels.qgemm:
             self.qgemm = qgemm.pack_q8(levels, scale, qgemm.blocked_for(dtype))

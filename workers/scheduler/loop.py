@@ -48,6 +48,7 @@ from pipeline.tokenizer import Tokenizer
 from pipeline.worker import forever, heartbeat_forever, new_worker_id, retrying
 from workers.scheduler import qgemm_vnni
 from workers.scheduler.engine import Engine, EngineRequest, StepResult
+from workers.scheduler.linear import VNNI_BESIDE_AMX
 from workers.text import find_stop, stop_window
 
 log = logging.getLogger("pipeline.scheduler")
@@ -290,10 +291,13 @@ class Scheduler:
         return {"model": self.config.model, "dtype": str(engine.dtype).removeprefix("torch."),
                 "quantization": engine.quantization,
                 "dense_matmul": "onednn" if engine.kernels.onednn else "torch",
-                "4bit_matmul": (qgemm_vnni.library()[1] if engine.kernels.vnni  # vnni | avx2
-                                else "amx" if engine.kernels.amx
+                "4bit_matmul": (qgemm_vnni.library()[1]  # vnni | avx2, + amx beside vnni
+                                + ("+amx" if engine.kernels.amx else "")
+                                if engine.kernels.vnni else "amx" if engine.kernels.amx
                                 else "qgemm" if engine.kernels.qgemm else "torch"),
-                "activations": "int8" if engine.kernels.vnni else "exact",
+                "activations": (("int8" if not engine.kernels.amx  # the tiles' rows: exact
+                                 else f"int8 up to {VNNI_BESIDE_AMX} rows")
+                                if engine.kernels.vnni else "exact"),
                 "num_expired": self.num_expired} | asdict(
             engine.stats())
 
