@@ -17,6 +17,7 @@ from workers.scheduler import qgemm, qgemm_amx
 from workers.scheduler.calibrate import onednn_takes
 from workers.scheduler.engine import resolve_dtype, resolve_quantization
 from workers.scheduler.linear import (
+    ONEDNN_ROWS,
     PLAIN,
     Dense,
     Int4,
@@ -110,6 +111,23 @@ def test_onednn_dense_matches_the_plain_matmul(checkpoint, dtype):
             assert relative_error(out.float(), plain(x.to(dtype)).float()) < tolerance
     quantized = make_linear(weight, None, torch.float32, "lossless", Kernels(onednn=True))
     assert type(quantized) is Int4 and quantized.small_batch < PLAIN.small_batch(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_rows_are_padded_to_a_few_kernels(checkpoint, dtype):
+    """Serving's steps come in every row count, and oneDNN builds a kernel for
+    each new one: rows are padded to a multiple of ONEDNN_ROWS, so a row's
+    answer is the one it gets in the full multiple."""
+    if not onednn_takes(dtype):
+        pytest.skip(f"oneDNN packs no {dtype} weights on this CPU")
+    weight = checkpoint["model.layers.0.self_attn.q_proj.weight"]
+    onednn = Dense(weight, None, dtype, Kernels(onednn=True))
+    x = torch.randn(2 * ONEDNN_ROWS, weight.shape[1]).to(dtype)
+    full = onednn(x)
+    for rows in (ONEDNN_ROWS + 1, 2 * ONEDNN_ROWS - 1):
+        out = onednn(x[:rows])
+        assert out.shape == (rows, weight.shape[0]) and out.is_contiguous()
+        assert torch.equal(out, full[:rows])
 
 
 needs_qgemm = pytest.mark.skipif(qgemm.load() is None, reason="no AVX2 CPU or no C compiler")

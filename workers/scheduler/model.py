@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from workers.scheduler.fused import choose_ops, rms_norm
-from workers.scheduler.linear import PLAIN, Dense, Kernels, make_linear
+from workers.scheduler.linear import ONEDNN_ROWS, PLAIN, Dense, Kernels, make_linear
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,19 @@ class LlamaModel:
             with safe_open(str(file), framework="pt") as f:
                 weights.update({name: f.get_tensor(name) for name in f.keys()})
         return cls(spec, weights, device, dtype, quantization, kernels)
+
+    def warm(self, max_rows: int) -> None:
+        """oneDNN's kernels for every row count a step of up to `max_rows` rows
+        pads to (linear.ONEDNN_ROWS), built now, not in the first steps that
+        need them (the layers share their shapes: the first one's serve)."""
+        spec, layer = self.spec, self.layers[0]
+        widths = ((layer.qkv, spec.hidden_size), (layer.o, spec.num_heads * spec.head_dim),
+                  (layer.gate_up, spec.hidden_size), (layer.down, spec.intermediate_size))
+        with torch.inference_mode():
+            for rows in range(ONEDNN_ROWS, max_rows + ONEDNN_ROWS, ONEDNN_ROWS):
+                for projection, width in widths:
+                    if projection.onednn_weight is not None and rows > projection.small_batch:
+                        projection(torch.zeros(rows, width, dtype=self.dtype))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logit_rows: torch.Tensor,
                 attend) -> torch.Tensor:
