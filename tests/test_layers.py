@@ -23,8 +23,9 @@ def all_logits(engine: Engine, plan) -> torch.Tensor:
                                     torch.arange(plan.num_tokens), engine.attention)
 
 
-def make_engine(model_files, dtype: str) -> Engine:
-    engine = Engine(model_files.path, SchedulerConfig(dtype=dtype, max_batch_tokens=12))
+def make_engine(model_files, dtype: str, max_batch_tokens: int = 12) -> Engine:
+    engine = Engine(model_files.path, SchedulerConfig(dtype=dtype,
+                                                      max_batch_tokens=max_batch_tokens))
     if engine.model.driver is None:
         pytest.skip("some kernel of a layer is not ours on this host (layers.Driver.build)")
     return engine
@@ -53,6 +54,30 @@ def test_one_call_gives_the_python_forwards_logits(model_files, dtype):
         engine.postprocess(plan, engine.run(plan))
     while engine.has_work():
         engine.step()
+
+
+def test_each_regime_of_kernels_gives_the_python_forwards_logits(model_files):
+    """Where the driver has regimes (on an Intel CPU with AMX: int8 up to 10
+    rows, the tiles to 64), a step in each runs its own kernels, the same as
+    the Python forward's at that row count."""
+    engine = make_engine(model_files, "bfloat16", max_batch_tokens=64)
+    driver = engine.model.driver
+    if len(driver.regimes) < 2:
+        pytest.skip("one regime of kernels on this host")
+    sampling = Sampling(max_tokens=3, temperature=0.0, ignore_eos=True)
+    bounds = [bound for bound, _ in driver.regimes]
+    for i in range(bounds[0] + 4):  # a prefill past the first regime, then its decodes
+        engine.add(EngineRequest(str(i), [5 + i, 7, 11], [], sampling))
+    seen = set()
+    while engine.has_work():
+        plan = engine.batcher.schedule()
+        seen.add(next(b for b in bounds if plan.num_tokens <= b))
+        engine.model.driver = None
+        python = all_logits(engine, plan)
+        engine.model.driver = driver
+        assert torch.equal(all_logits(engine, plan), python)
+        engine.postprocess(plan, engine.run(plan))
+    assert bounds[1] in seen
 
 
 def test_wider_steps_and_fp32_models_stay_in_python(engine, model_files):

@@ -1,8 +1,9 @@
 # All decoder layers of a step in one C call (layers.c), where every kernel a
 # layer needs at the step's row count is one of ours: a model on the CPU whose
-# projections run qgemm's bf16 kernel or the int8 blocks (qgemm_vnni.c on a
-# bf16 model, qgemm_avx2.c on a bf16 or fp32 one), with ops.c and the in-place
-# attention kernel. A step of a few rows otherwise spends about a
+# projections run qgemm's bf16 kernel, the int8 blocks (qgemm_vnni.c on a
+# bf16 model, qgemm_avx2.c on a bf16 or fp32 one) or AMX's tiles (and on an
+# Intel CPU with AMX both: int8 up to 10 rows, the tiles to 64), with ops.c and
+# the in-place attention kernel. A step of a few rows otherwise spends about a
 # third of its time in Python between ~300 kernel calls. `Driver.build` says
 # None where that does not hold, and the forward pass stays in Python.
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from workers.scheduler import fused, native, paged
+from workers.scheduler import fused, native, paged, qgemm_amx
 from workers.scheduler.linear import Dense
 
 SOURCE = Path(__file__).with_name("layers.c")
@@ -47,26 +48,31 @@ def address(function) -> int:
     return ctypes.cast(function, ctypes.c_void_p).value
 
 
-def kernel_of(linear: Dense, dtype: torch.dtype) -> tuple[int, int, int] | None:
-    """(function, weight, rows it serves up to) where the projection runs a
-    kernel of layers.c's matmul signature on activations of `dtype`; None
-    elsewhere. (VNNI's and qgemm's bf16 kernels read x in bf16, AVX2's in y's
-    dtype.)"""
+def kernels_of(linear: Dense, dtype: torch.dtype) -> list[tuple[int, int, int]]:
+    """(function, weight, rows it serves up to) for each kernel of layers.c's
+    matmul signature the projection runs on activations of `dtype`, fewest
+    rows first; none where a bias or torch's kernels come in. (VNNI's,
+    qgemm's bf16 and AMX's kernels read x in bf16, AVX2's in y's dtype.)"""
     if linear.bias is not None:
-        return None
+        return []
+    found = []
     packed = linear.vnni or (linear.qgemm if linear.qgemm and linear.qgemm.blocked else None)
-    if packed is None:
-        return None
-    if dtype != torch.bfloat16 and not getattr(packed, "same_dtype", False):
-        return None
-    return (address(packed.kernel), packed.q.data_ptr(),
-            linear.vnni_rows if linear.vnni is not None else linear.small_batch)
+    if packed is not None and (dtype == torch.bfloat16 or getattr(packed, "same_dtype", False)):
+        rows = linear.vnni_rows if linear.vnni is not None else linear.small_batch
+        found.append((address(packed.kernel), packed.q.data_ptr(), rows))
+    if linear.tiled is not None and dtype == torch.bfloat16:
+        tiles = qgemm_amx.load()
+        found.append((address(tiles.tiled_gemm), ctypes.addressof(linear.tiled.parts),
+                      linear.small_batch))
+    return found
 
 
 class Driver:
-    def __init__(self, lib: ctypes.CDLL, model, attention, layers: list[Layer], max_rows: int):
-        self.run, self.max_rows, self.attention = lib.decode_layers, max_rows, attention
-        self.layers = (Layer * len(layers))(*layers)
+    """`regimes`: (rows up to, the layers' kernels for them), fewest rows first."""
+
+    def __init__(self, lib: ctypes.CDLL, model, attention, regimes: list[tuple[int, ctypes.Array]]):
+        self.run, self.attention, self.regimes = lib.decode_layers, attention, regimes
+        self.max_rows = regimes[-1][0]
         self.cos, self.sin = model.cos, model.sin
         ops, spec, kernel = model.ops, model.spec, attention.kernel
         self.model = Model(address(ops.norm), address(ops.rope), address(ops.silu),
@@ -77,24 +83,31 @@ class Driver:
     @classmethod
     def build(cls, model, attention) -> Driver | None:
         """The driver for `model` (model.LlamaModel) on `attention`'s cache
-        (attention.TorchAttention), or None where a part is not one of ours."""
+        (attention.TorchAttention), or None where a part is not one of ours.
+        Each regime's kernels serve every row count above the last regime's."""
         lib = load()
         if (lib is None or model.dtype not in (torch.bfloat16, torch.float32)
                 or model.spec.qk_norm or not isinstance(model.ops, fused.NativeOps)
                 or getattr(attention, "kernel", None) is None
                 or attention.kernel.dtype != model.dtype):
             return None
-        layers, max_rows = [], 1 << 30
-        for index, layer in enumerate(model.layers):
-            projections = [kernel_of(p, model.dtype)
-                           for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-            if None in projections:
-                return None
-            max_rows = min([max_rows] + [rows for _, _, rows in projections])
-            layers.append(Layer(*(Proj(fn, w) for fn, w, _ in projections),
-                                layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
-                                attention.kernel.k[index], attention.kernel.v[index]))
-        return cls(lib, model, attention, layers, max_rows)
+        names = ("qkv", "o", "gate_up", "down")
+        found = [[kernels_of(getattr(layer, n), model.dtype) for n in names]
+                 for layer in model.layers]
+        bounds = sorted({rows for layer in found for kernels in layer for _, _, rows in kernels})
+        regimes = []
+        for bound in bounds:  # the first kernel of each projection that reaches `bound`
+            chosen = [[next((k for k in kernels if k[2] >= bound), None) for kernels in layer]
+                      for layer in found]
+            if any(None in layer for layer in chosen):
+                break
+            layers = [Layer(*(Proj(fn, w) for fn, w, _ in kernels), layer.input_norm.data_ptr(),
+                            layer.post_norm.data_ptr(), attention.kernel.k[index],
+                            attention.kernel.v[index])
+                      for index, (layer, kernels) in enumerate(zip(model.layers, chosen,
+                                                                   strict=True))]
+            regimes.append((bound, (Layer * len(layers))(*layers)))
+        return cls(lib, model, attention, regimes) if regimes else None
 
     def takes(self, rows: int, attend) -> bool:
         return rows <= self.max_rows and attend is self.attention
@@ -102,11 +115,12 @@ class Driver:
     def __call__(self, h: torch.Tensor, positions: torch.Tensor) -> None:
         """All layers on the residual stream h [rows, hidden] (in place);
         the attention's step arguments are this step's (attention.prepare)."""
+        rows = h.shape[0]
+        layers = next(layers for bound, layers in self.regimes if rows <= bound)
         slots, batch, tables, width, lengths, block_size = self.attention.kernel.step_args
         step = Step(slots, batch, tables, width, lengths, block_size)
-        self.run(ctypes.byref(self.model), self.layers, len(self.layers), ctypes.byref(step),
-                 h.shape[0], positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
-                 h.data_ptr())
+        self.run(ctypes.byref(self.model), layers, len(layers), ctypes.byref(step), rows,
+                 positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), h.data_ptr())
 
 
 @cache

@@ -24,9 +24,10 @@ FINE_ROWS = 64  # rows a fine-activation weight serves up to; a dense copy beyon
 # every count: its batches are padded to a multiple of this, a few kernels in all
 ONEDNN_ROWS = 32
 # rows int8 activations serve beside the AMX tiles, which take over up to 64:
-# paired engine steps (Intel Xeon with AMX) 0.55x the tiles' at 4 rows, 0.6x
-# at 8, 0.72x at 12, 0.85x at 16, 0.98x at 24; 1.5x at 64
-VNNI_BESIDE_AMX = 16
+# paired engine steps, both through layers.c (Intel Xeon with AMX), the tiles'
+# time over int8's 1.36x at 4 rows, 1.16x at 6-8, 1.05x at 10, 0.97x at 12,
+# 0.82x at 16 (with the tiles' steps in Python it was 16, for 0.85x there)
+VNNI_BESIDE_AMX = 10
 LOSSLESS = 1e-3  # of a group's scale: the weight was 4- or 8-bit to begin with
 
 

@@ -154,3 +154,17 @@ void q_gemm_amx(const uint16_t *x_all, int rows, int in_dim, const uint8_t *q,
         }
     }
 }
+
+// A weight as layers.c passes it: its parts, for tiled_gemm.
+typedef struct {
+    const uint8_t *q;
+    const float *scale, *low;
+    int bits;
+} tiled;
+
+// q_gemm_amx with layers.c's matmul signature (w a tiled).
+void tiled_gemm(const void *x, int rows, int in_dim, const void *w, void *y, int y_bf16,
+                int out_dim) {
+    const tiled *t = w;
+    q_gemm_amx(x, rows, in_dim, t->q, t->scale, t->low, y, y_bf16, out_dim, t->bits);
+}

@@ -21,6 +21,11 @@ NEEDS = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf1
                    "amx_tile", "amx_bf16"})
 
 
+class Parts(ctypes.Structure):
+    """A Tiled as qgemm_amx.c's tiled_gemm takes it (layers.c's signature)."""
+    _fields_ = [("q", native.P), ("scale", native.P), ("low", native.P), ("bits", native.I32)]
+
+
 @dataclass(frozen=True)
 class Tiled:
     """One weight in the kernel's layout (qgemm_amx.c): levels [out / 16,
@@ -31,6 +36,15 @@ class Tiled:
     scale: torch.Tensor
     low: torch.Tensor | None
     out_dim: int
+
+    @property
+    def parts(self) -> Parts:
+        """The pointers tiled_gemm takes, made once (they live as long as the weight)."""
+        if "_parts" not in self.__dict__:
+            low = None if self.low is None else self.low.data_ptr()
+            object.__setattr__(self, "_parts", Parts(self.q.data_ptr(), self.scale.data_ptr(),
+                                                     low, self.bits))
+        return self.__dict__["_parts"]
 
 
 def _tile_lanes(levels: torch.Tensor) -> torch.Tensor:
@@ -83,6 +97,7 @@ def load() -> ctypes.CDLL | None:
         "amx_init": [P],
         # x, rows, in, q, scale, low, y, y is bf16, out, bits
         "q_gemm_amx": [P, I32, I32, P, P, P, P, I32, I32, I32],
+        "tiled_gemm": [P, I32, I32, P, P, I32, I32],  # x, rows, in, Parts, y, y is bf16, out
     }, FLAGS, NEEDS)
     if lib is None:
         return None
