@@ -62,7 +62,9 @@ class Kernels:
           weight keeps no dense copy.
         - its fine kernels beside oneDNN bf16 (AMD Zen 5, 30 qkv weights): 64,
           the rows layers.c takes (0.33x at 1 row, 0.77x at 16, 1.14x at 64,
-          1.3-1.5x at 128-512; against qgemm_bf16.c 0.67-0.94x)."""
+          1.3-1.5x at 128-512; against qgemm_bf16.c 0.67-0.94x).
+        - qgemm_vnni.c beside qgemm_amx.c (Intel Xeon with AMX): the tiles' 64,
+          of which int8 serves the first VNNI_BESIDE_AMX rows."""
         if self.amx and dtype == torch.bfloat16:
             return 64
         if self.vnni and qgemm_vnni.takes(dtype):
