@@ -7,13 +7,18 @@ makes. The AVX2 build runs on every AVX2 host, VNNI ones too."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from safetensors import safe_open
 
+from pipeline.config import Config, SchedulerConfig
 from pipeline.errors import ConfigError
+from pipeline.tokenizer import Tokenizer
 from workers.scheduler import qgemm_amx, qgemm_vnni
 from workers.scheduler.calibrate import choose_kernels
+from workers.scheduler.engine import Engine
 from workers.scheduler.linear import (
     VNNI_BESIDE_AMX,
     Int4,
@@ -22,6 +27,7 @@ from workers.scheduler.linear import (
     quantize_int4,
     quantize_int8,
 )
+from workers.scheduler.loop import Scheduler
 from workers.scheduler.model import read_spec
 
 LIBRARIES = {"vnni": qgemm_vnni.load, "avx2": qgemm_vnni.load_avx2}
@@ -209,3 +215,21 @@ def test_activations_option_chooses_the_kernels(model_files):
         else:  # VNNI takes bf16 models only; without AVX2 or a compiler, none
             with pytest.raises(ConfigError):
                 choose_kernels(cpu, dtype, spec, True, "int8")
+
+
+def test_pipeline_status_names_the_kernels_the_engine_chose(model_files):
+    """A scheduler's liveness info (what `pipeline status` shows) says which
+    4-bit kernels and activations its engine runs."""
+    engine = Engine(model_files.path, SchedulerConfig())
+    config = Config(model=str(model_files.path))
+    with ThreadPoolExecutor(1) as thread:
+        info = Scheduler(config, engine, Tokenizer(model_files.path), thread).info()
+    kernels, (_, suffix) = engine.kernels, qgemm_vnni.library()
+    if kernels.vnni:
+        assert info["4bit_matmul"] == suffix + ("+amx" if kernels.amx else "")
+        assert info["activations"] == ("int8" if not kernels.amx
+                                       else f"int8 up to {VNNI_BESIDE_AMX} rows")
+    else:
+        assert info["activations"] == "exact"
+        assert info["4bit_matmul"] in ("amx", "qgemm", "torch")
+    assert info["dtype"] == str(engine.dtype).removeprefix("torch.")
