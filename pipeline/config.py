@@ -44,9 +44,10 @@ class SchedulerConfig:
     # | int4: quantize any checkpoint to 4 bits | none
     quantization: str = "auto"
     # auto: where a 4- or 8-bit weight runs fastest on int8 activations (AVX-512
-    # VNNI without AMX, or AVX2 alone), each row is rounded to 8 bits per group
-    # of 32 for it, as llama.cpp runs a GGUF; an explicit float32 dtype keeps
-    # them exact | exact: activations stay in dtype | int8
+    # VNNI without AMX, or AVX2 alone; beside AMX, steps of up to 10 rows), each
+    # row is rounded to 8 bits per group of 32 for it, as llama.cpp runs a GGUF;
+    # an explicit float32 dtype keeps them exact | exact: activations stay in
+    # dtype | int8: on every row
     activations: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     attention_backend: str = "auto"  # auto | torch | flashinfer
