@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--num-new", type=int, default=64)
     parser.add_argument("--dtype", default="auto", help="the engine's dtype")
+    parser.add_argument("--activations", default="auto", help="auto | exact | int8")
     parser.add_argument("--hf-dtype", default="auto",
                         help="auto: bfloat16 on a CPU with a bf16 matmul, else float32")
     parser.add_argument("--skip-hf", action="store_true")
@@ -70,7 +71,8 @@ def main() -> None:
         args.hf_dtype = "bfloat16" if cpu_has_bf16() else "float32"
     path = resolve_model("SmolLM2-135M-Instruct").path
     tokenizer = AutoTokenizer.from_pretrained(path)
-    engine = Engine(path, SchedulerConfig(dtype=args.dtype, max_running_requests=64))
+    engine = Engine(path, SchedulerConfig(dtype=args.dtype, activations=args.activations,
+                                          max_running_requests=64))
     hf = None if args.skip_hf else AutoModelForCausalLM.from_pretrained(
         path, dtype=getattr(torch, args.hf_dtype))
     print(f"engine dtype {engine.dtype}, {engine.kernels}, transformers dtype {args.hf_dtype}, "
