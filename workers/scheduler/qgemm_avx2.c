@@ -178,8 +178,8 @@ static inline __attribute__((always_inline)) void tile(
 
 #define T(R) tile(q, xs, K, block_w, h, y, bf16, N, n + 8 * h, m, R, BITS, FINE)
 
-/* One thread's share, inside the caller's parallel region: an orphaned `omp for`
-   here, so that each kernel's region is compiled with its own BITS and FINE. */
+/* One thread's share, inside the caller's parallel region (INT8_GEMM in
+   kernels.h): an orphaned `omp for` here. */
 static inline __attribute__((always_inline)) void share(
         const void *x, int M, int K, const uint8_t *w, void *y, int bf16, int N,
         int8_t *q, float *xs, const int BITS, const int FINE) {
@@ -213,17 +213,4 @@ static inline __attribute__((always_inline)) void share(
 
 /* x [M, K] and y [M, N] fp32, or both bf16; N a multiple of 16, K of 32.
    Threads: torch's OpenMP pool. */
-#define GEMM(NAME, BITS, FINE)                                                              \
-void NAME(const void *x, int M, int K, const uint8_t *w, void *y, int bf16, int N) {        \
-    int8_t *q = malloc((size_t)M * (FINE ? 2 : 1) * K);                                     \
-    float *xs = malloc(sizeof(float) * 2 * (size_t)M * (K / GROUP));                        \
-    _Pragma("omp parallel")                                                                 \
-    share(x, M, K, w, y, bf16, N, q, xs, BITS, FINE);                                       \
-    free(q);                                                                                \
-    free(xs);                                                                               \
-}
-
-GEMM(q4_gemm_avx2, 4, 0)
-GEMM(q8_gemm_avx2, 8, 0)
-GEMM(q4_gemm_avx2_fine, 4, 1)
-GEMM(q8_gemm_avx2_fine, 8, 1)
+INT8_GEMMS(avx2, void)

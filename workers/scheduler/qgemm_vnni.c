@@ -127,10 +127,8 @@ static inline __attribute__((always_inline)) void tile(
 #define T(R) tile(q, xs, K, w + (int64_t)(n / LANES) * G * block, y, bf16_out, N, n, m, R, \
                   BITS, FINE)
 
-/* One thread's share, inside the caller's parallel region: an orphaned `omp for`
-   here, so that each kernel's region is compiled with its own BITS and FINE (one
-   region shared by all four made them run-time values: 1.75x the time at 16 rows
-   in qgemm_avx2.c). */
+/* One thread's share, inside the caller's parallel region (INT8_GEMM in
+   kernels.h): an orphaned `omp for` here. */
 static inline __attribute__((always_inline)) void share(
         const uint16_t *x, int M, int K, const uint8_t *w, void *y, int bf16_out, int N,
         int8_t *q, float *xs, const int BITS, const int FINE) {
@@ -164,17 +162,4 @@ static inline __attribute__((always_inline)) void share(
 }
 
 /* x bf16 [M, K], N a multiple of 16, K of 32. Threads: torch's OpenMP pool. */
-#define GEMM(NAME, BITS, FINE)                                                              \
-void NAME(const uint16_t *x, int M, int K, const uint8_t *w, void *y, int bf16_out, int N) { \
-    int8_t *q = malloc((size_t)M * (FINE ? 2 : 1) * K);                                     \
-    float *xs = malloc(sizeof(float) * 2 * (size_t)M * (K / GROUP));                        \
-    _Pragma("omp parallel")                                                                 \
-    share(x, M, K, w, y, bf16_out, N, q, xs, BITS, FINE);                                   \
-    free(q);                                                                                \
-    free(xs);                                                                               \
-}
-
-GEMM(q4_gemm_vnni, 4, 0)
-GEMM(q8_gemm_vnni, 8, 0)
-GEMM(q4_gemm_vnni_fine, 4, 1)
-GEMM(q8_gemm_vnni_fine, 8, 1)
+INT8_GEMMS(vnni, uint16_t)
