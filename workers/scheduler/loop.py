@@ -48,7 +48,7 @@ from pipeline.tokenizer import Tokenizer
 from pipeline.worker import forever, heartbeat_forever, new_worker_id, retrying
 from workers.scheduler import qgemm_vnni
 from workers.scheduler.engine import Engine, EngineRequest, StepResult
-from workers.scheduler.linear import VNNI_BESIDE_AMX
+from workers.scheduler.linear import VNNI_BESIDE_AMX, Kernels
 from workers.text import find_stop, stop_window
 
 log = logging.getLogger("pipeline.scheduler")
@@ -291,15 +291,21 @@ class Scheduler:
         return {"model": self.config.model, "dtype": str(engine.dtype).removeprefix("torch."),
                 "quantization": engine.quantization,
                 "dense_matmul": "onednn" if engine.kernels.onednn else "torch",
-                "4bit_matmul": (qgemm_vnni.library()[1]  # vnni | avx2, + amx beside vnni
-                                + ("+amx" if engine.kernels.amx else "")
-                                if engine.kernels.vnni else "amx" if engine.kernels.amx
-                                else "qgemm" if engine.kernels.qgemm else "torch"),
-                "activations": (("int8" if not engine.kernels.amx  # the tiles' rows: exact
-                                 else f"int8 up to {VNNI_BESIDE_AMX} rows")
-                                if engine.kernels.vnni else "exact"),
+                **kernel_names(engine.kernels),
                 "num_expired": self.num_expired} | asdict(
             engine.stats())
+
+
+def kernel_names(kernels: Kernels) -> dict[str, str]:
+    """The 4-bit matmul and activations `pipeline status` shows for `kernels`."""
+    if kernels.vnni:  # vnni | avx2; beside AMX's tiles, whose rows keep exact activations
+        suffix = qgemm_vnni.library()[1]
+        if kernels.amx:
+            return {"4bit_matmul": suffix + "+amx",
+                    "activations": f"int8 up to {VNNI_BESIDE_AMX} rows"}
+        return {"4bit_matmul": suffix, "activations": "int8"}
+    matmul = "amx" if kernels.amx else "qgemm" if kernels.qgemm else "torch"
+    return {"4bit_matmul": matmul, "activations": "exact"}
 
 
 async def run(config: Config, model: ModelFiles) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 
 import torch
@@ -37,14 +37,11 @@ class Tiled:
     low: torch.Tensor | None
     out_dim: int
 
-    @property
+    @cached_property
     def parts(self) -> Parts:
         """The pointers tiled_gemm takes, made once (they live as long as the weight)."""
-        if "_parts" not in self.__dict__:
-            low = None if self.low is None else self.low.data_ptr()
-            object.__setattr__(self, "_parts", Parts(self.q.data_ptr(), self.scale.data_ptr(),
-                                                     low, self.bits))
-        return self.__dict__["_parts"]
+        low = None if self.low is None else self.low.data_ptr()
+        return Parts(self.q.data_ptr(), self.scale.data_ptr(), low, self.bits)
 
 
 def _tile_lanes(levels: torch.Tensor) -> torch.Tensor:
