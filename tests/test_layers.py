@@ -23,6 +23,16 @@ def all_logits(engine: Engine, plan) -> torch.Tensor:
                                     torch.arange(plan.num_tokens), engine.attention)
 
 
+def assert_driver_matches_python(engine: Engine, plan) -> None:
+    """The plan's logits through the driver equal the Python forward's; then the
+    step runs (each forward writes the step's keys and values to the same slots)."""
+    driver, engine.model.driver = engine.model.driver, None
+    python = all_logits(engine, plan)
+    engine.model.driver = driver
+    assert torch.equal(all_logits(engine, plan), python)
+    engine.postprocess(plan, engine.run(plan))
+
+
 def make_engine(model_files, dtype: str, max_batch_tokens: int = 12) -> Engine:
     engine = Engine(model_files.path, SchedulerConfig(dtype=dtype,
                                                       max_batch_tokens=max_batch_tokens))
@@ -46,12 +56,7 @@ def test_one_call_gives_the_python_forwards_logits(model_files, dtype):
     for _ in range(4):  # a prefill of 12 tokens, then decode steps of 2 rows
         plan = engine.batcher.schedule()
         assert plan.num_tokens <= driver.max_rows
-        # each forward writes the step's keys and values to the same slots
-        engine.model.driver = None
-        python = all_logits(engine, plan)
-        engine.model.driver = driver
-        assert torch.equal(all_logits(engine, plan), python)
-        engine.postprocess(plan, engine.run(plan))
+        assert_driver_matches_python(engine, plan)
     while engine.has_work():
         engine.step()
 
@@ -72,11 +77,7 @@ def test_each_regime_of_kernels_gives_the_python_forwards_logits(model_files):
     while engine.has_work():
         plan = engine.batcher.schedule()
         seen.add(next(b for b in bounds if plan.num_tokens <= b))
-        engine.model.driver = None
-        python = all_logits(engine, plan)
-        engine.model.driver = driver
-        assert torch.equal(all_logits(engine, plan), python)
-        engine.postprocess(plan, engine.run(plan))
+        assert_driver_matches_python(engine, plan)
     assert bounds[1] in seen
 
 
