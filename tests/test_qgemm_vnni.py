@@ -100,6 +100,29 @@ def test_kernels_sum_int8_activations_exactly(checkpoint, on):
             assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, out.bfloat16())
 
 
+@each_library
+def test_answers_do_not_depend_on_how_threads_share_the_blocks(checkpoint, on):
+    """Threads take blocks of 16 outputs by stealing (kernels.h's Span): with
+    more threads than cores some are preempted and the others take their
+    blocks, and with more threads than blocks some start with none. Every
+    way gives the same bits as one thread."""
+    generator = torch.Generator().manual_seed(3)
+    threads = torch.get_num_threads()
+    try:
+        for weight, bits in weights(checkpoint):
+            for out_dim in (16, 48, weight.shape[0]):
+                packed = blocks(weight[:out_dim], bits, bits == 4, on)
+                x = torch.randn(13, weight.shape[1], generator=generator).bfloat16()
+                answers = []
+                for count in (1, 2, 3, 7):
+                    torch.set_num_threads(count)
+                    answers.append([qgemm_vnni.matmul(x, packed) for _ in range(5)])
+                first = answers[0][0]
+                assert all(torch.equal(a, first) for runs in answers for a in runs)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_avx2_kernel_takes_fp32_activations_as_they_are(checkpoint):
     """The AVX2 build rounds fp32 rows to int8 itself (no bf16 step between)."""
     if qgemm_vnni.load_avx2() is None:

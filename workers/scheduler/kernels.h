@@ -5,7 +5,10 @@
 #define PIPELINE_KERNELS_H
 
 #include <immintrin.h>
+#include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* e^x for x <= 0, to ~2 ulp: x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor
@@ -82,6 +85,46 @@ static inline void store_row(const float *src, int bf16, void *dst, int n) {
     for (int i = 0; i < n; i++) ((uint16_t *)dst)[i] = float_to_bf16(src[i]);
 }
 
+/* A parallel region's blocks of work, shared out by stealing: each thread
+   takes its own contiguous range from the front and, when done, the other
+   threads' last blocks from the back. The OS preempts one of the engine's
+   threads whenever the tier's other processes run (2 cores here); with fixed
+   shares the region then waits for the whole of that thread's share, here
+   for the block it holds at most. Each thread keeps streaming its own range
+   in order. One Span per thread (a cache line each): next | end << 32. */
+typedef struct { _Atomic uint64_t span; char pad[56]; } Span;
+
+/* This thread's range of `blocks`; a barrier must follow before any thread takes. */
+static inline void span_init(Span *spans, int blocks) {
+    const int t = omp_get_thread_num(), threads = omp_get_num_threads();
+    const uint64_t first = (uint64_t)blocks * t / threads;
+    const uint64_t end = (uint64_t)blocks * (t + 1) / threads;
+    atomic_store_explicit(&spans[t].span, first | end << 32, memory_order_relaxed);
+}
+
+static inline int span_take(Span *s, int from_back) {
+    uint64_t v = atomic_load_explicit(&s->span, memory_order_relaxed);
+    while ((uint32_t)v < (uint32_t)(v >> 32)) {
+        uint64_t taken = from_back ? v - ((uint64_t)1 << 32) : v + 1;
+        if (atomic_compare_exchange_weak_explicit(&s->span, &v, taken, memory_order_relaxed,
+                                                  memory_order_relaxed))
+            return from_back ? (int)(v >> 32) - 1 : (int)(uint32_t)v;
+    }
+    return -1;
+}
+
+/* The next block this thread runs, or -1 when none is left; `from` (0 at the
+   start) is the thread it takes from, counted from itself. */
+static inline int span_next(Span *spans, int *from) {
+    const int t = omp_get_thread_num(), threads = omp_get_num_threads();
+    for (; *from < threads; ++*from) {
+        int block = span_take(spans + (t + *from) % threads, *from > 0);
+        if (block >= 0)
+            return block;
+    }
+    return -1;
+}
+
 /* The four exported int8-activation matmuls of a file (qgemm_vnni.c with SUFFIX
    vnni and x uint16_t, qgemm_avx2.c with avx2 and void): q4 and q8, plain and
    fine. Each quantizes x into its own buffers and runs the file's `share`
@@ -92,10 +135,12 @@ static inline void store_row(const float *src, int bf16, void *dst, int n) {
 void NAME(const X *x, int M, int K, const uint8_t *w, void *y, int bf16, int N) {          \
     int8_t *q = malloc((size_t)M * (FINE ? 2 : 1) * K);                                    \
     float *xs = malloc(sizeof(float) * 2 * (size_t)M * (K / GROUP));                       \
+    Span *spans = aligned_alloc(64, sizeof(Span) * omp_get_max_threads());                 \
     _Pragma("omp parallel")                                                                \
-    share(x, M, K, w, y, bf16, N, q, xs, BITS, FINE);                                      \
+    share(x, M, K, w, y, bf16, N, q, xs, spans, BITS, FINE);                               \
     free(q);                                                                               \
     free(xs);                                                                              \
+    free(spans);                                                                           \
 }
 #define INT8_GEMMS(SUFFIX, X)                                                              \
     INT8_GEMM(q4_gemm_##SUFFIX, X, 4, 0)                                                   \

@@ -178,37 +178,45 @@ static inline __attribute__((always_inline)) void tile(
 
 #define T(R) tile(q, xs, K, block_w, h, y, bf16, N, n + 8 * h, m, R, BITS, FINE)
 
+/* Outputs n..n+15 of every row, in two halves of 8. */
+static inline __attribute__((always_inline)) void column(
+        const int8_t *q, const float *xs, int M, int K, const uint8_t *w, void *y, int bf16,
+        int N, int n, const int BITS, const int FINE) {
+    const int G = K / GROUP, block = block_bytes(BITS);
+    const uint8_t *block_w = w + (int64_t)(n / LANES) * G * block;
+    for (int h = 0; h < 2; h++)
+        /* rows in blocks of near-equal size (6: 3 + 3, not 4 + 2) */
+        for (int m = 0, rows; m < M; m += rows) {
+            int blocks = (M - m + ROWS - 1) / ROWS;
+            rows = (M - m + blocks - 1) / blocks;
+            switch (rows) {
+#if ROWS >= 6
+            case 6: T(6); break;
+            case 5: T(5); break;
+#endif
+            case 4: T(4); break;
+            case 3: T(3); break;
+            case 2: T(2); break;
+            default: T(1); break;
+            }
+        }
+}
+
 /* One thread's share, inside the caller's parallel region (INT8_GEMM in
-   kernels.h): an orphaned `omp for` here. */
+   kernels.h): its rows quantized (an orphaned `omp for`), then blocks of 16
+   outputs taken by stealing (kernels.h's Span), as in qgemm_vnni.c. */
 static inline __attribute__((always_inline)) void share(
         const void *x, int M, int K, const uint8_t *w, void *y, int bf16, int N,
-        int8_t *q, float *xs, const int BITS, const int FINE) {
-    const int G = K / GROUP, block = block_bytes(BITS), stride = FINE ? 2 * K : K;
+        int8_t *q, float *xs, Span *spans, const int BITS, const int FINE) {
+    const int G = K / GROUP, stride = FINE ? 2 * K : K;
     const int width = bf16 ? 2 : 4;
-    #pragma omp for schedule(static)
+    span_init(spans, N / LANES);
+    #pragma omp for schedule(static)  /* its barrier: every span is set, every row quantized */
     for (int m = 0; m < M; m++)
         quantize_row((const char *)x + (int64_t)m * K * width, bf16, K,
                      q + (int64_t)m * stride, xs + (int64_t)m * 2 * G, FINE);
-    #pragma omp for schedule(static)
-    for (int n = 0; n < N; n += LANES) {
-        const uint8_t *block_w = w + (int64_t)(n / LANES) * G * block;
-        for (int h = 0; h < 2; h++)
-            /* rows in blocks of near-equal size (6: 3 + 3, not 4 + 2) */
-            for (int m = 0, rows; m < M; m += rows) {
-                int blocks = (M - m + ROWS - 1) / ROWS;
-                rows = (M - m + blocks - 1) / blocks;
-                switch (rows) {
-#if ROWS >= 6
-                case 6: T(6); break;
-                case 5: T(5); break;
-#endif
-                case 4: T(4); break;
-                case 3: T(3); break;
-                case 2: T(2); break;
-                default: T(1); break;
-                }
-            }
-    }
+    for (int from = 0, b; (b = span_next(spans, &from)) >= 0;)
+        column(q, xs, M, K, w, y, bf16, N, b * LANES, BITS, FINE);
 }
 
 /* x [M, K] and y [M, N] fp32, or both bf16; N a multiple of 16, K of 32.
