@@ -202,21 +202,10 @@ static inline __attribute__((always_inline)) void column(
         }
 }
 
-/* One thread's share, inside the caller's parallel region (INT8_GEMM in
-   kernels.h): its rows quantized (an orphaned `omp for`), then blocks of 16
-   outputs taken by stealing (kernels.h's Span), as in qgemm_vnni.c. */
-static inline __attribute__((always_inline)) void share(
-        const void *x, int M, int K, const uint8_t *w, void *y, int bf16, int N,
-        int8_t *q, float *xs, Span *spans, const int BITS, const int FINE) {
-    const int G = K / GROUP, stride = FINE ? 2 * K : K;
-    const int width = bf16 ? 2 : 4;
-    span_init(spans, N / LANES);
-    #pragma omp for schedule(static)  /* its barrier: every span is set, every row quantized */
-    for (int m = 0; m < M; m++)
-        quantize_row((const char *)x + (int64_t)m * K * width, bf16, K,
-                     q + (int64_t)m * stride, xs + (int64_t)m * 2 * G, FINE);
-    for (int from = 0, b; (b = span_next(spans, &from)) >= 0;)
-        column(q, xs, M, K, w, y, bf16, N, b * LANES, BITS, FINE);
+/* Row m of x (fp32, or bf16 as y is) into q and scales (INT8_GEMM in kernels.h). */
+static inline __attribute__((always_inline)) void quantize(
+        const void *x, int m, int K, int bf16, int8_t *q, float *scales, const int FINE) {
+    quantize_row((const char *)x + (int64_t)m * K * (bf16 ? 2 : 4), bf16, K, q, scales, FINE);
 }
 
 /* x [M, K] and y [M, N] fp32, or both bf16; N a multiple of 16, K of 32.

@@ -157,22 +157,11 @@ static inline __attribute__((always_inline)) void column(
     }
 }
 
-/* One thread's share, inside the caller's parallel region (INT8_GEMM in
-   kernels.h): its rows quantized (an orphaned `omp for`), then blocks of 16
-   outputs taken by stealing (kernels.h's Span): paired engine steps at 64
-   rows took 0.95x the time of fixed shares with the host quiet, 0.89x beside
-   a process busy 20% of a core, and 0.96x at 1 row (AMD Zen 4). */
-static inline __attribute__((always_inline)) void share(
-        const uint16_t *x, int M, int K, const uint8_t *w, void *y, int bf16_out, int N,
-        int8_t *q, float *xs, Span *spans, const int BITS, const int FINE) {
-    const int G = K / GROUP, stride = FINE ? 2 * K : K;
-    span_init(spans, N / LANES);
-    #pragma omp for schedule(static)  /* its barrier: every span is set, every row quantized */
-    for (int m = 0; m < M; m++)
-        quantize_row(x + (int64_t)m * K, K, q + (int64_t)m * stride, xs + (int64_t)m * 2 * G,
-                     FINE);
-    for (int from = 0, b; (b = span_next(spans, &from)) >= 0;)
-        column(q, xs, M, K, w, y, bf16_out, N, b * LANES, BITS, FINE);
+/* Row m of x (bf16 whatever y is) into q and scales (INT8_GEMM in kernels.h). */
+static inline __attribute__((always_inline)) void quantize(
+        const uint16_t *x, int m, int K, int bf16_out, int8_t *q, float *scales, const int FINE) {
+    (void)bf16_out;
+    quantize_row(x + (int64_t)m * K, K, q, scales, FINE);
 }
 
 /* x bf16 [M, K], N a multiple of 16, K of 32. Threads: torch's OpenMP pool. */
