@@ -4,7 +4,8 @@ top-1 agreement. Covers what we ship (bf16, the lossless 4/8-bit path, which
 matches bf16 when every row takes it) and what we measured and did not ship
 (int8 weights and dynamic per-token int8 activations, as torch._int_mm would
 run them), and the shipped int8 activations per group of 32 (qgemm_vnni.c, where
-the CPU has VNNI), with qkv's activations at 14 bits (shipped), exact, or int8.
+the CPU has VNNI), with qkv's activations at 14 bits (shipped for steps of up
+to linear.FINE_ROWS rows), int8 (shipped beyond) or exact.
 Run: .venv/bin/python bench/quant_accuracy.py"""
 
 from __future__ import annotations
@@ -89,23 +90,23 @@ def main() -> None:
     variants = {
         "bf16 (shipped)": lambda: LlamaModel.load(path, spec, cpu, torch.bfloat16),
         "bf16 + lossless 4/8-bit, every row (shipped)": lambda: lossless_everywhere(path, spec),
-        "bf16 + int8 act., qkv 14-bit (shipped, VNNI)": lambda: vnni(path, spec, "fine"),
+        "bf16 + int8 act., qkv 14-bit (shipped <= 16 rows)": lambda: vnni(path, spec, "fine"),
+        "bf16 + int8 act., qkv too (shipped > 16 rows)": lambda: vnni(path, spec, "int8"),
         "bf16 + int8 act., qkv exact (VNNI)": lambda: vnni(path, spec, "exact"),
-        "bf16 + int8 act., qkv too (VNNI)": lambda: vnni(path, spec, "int8"),
         "fp32, int8 weights": lambda: simulated(path, spec, weights=True, activations=False),
         "fp32, int8 activations": lambda: simulated(path, spec, weights=False, activations=True),
         "fp32, W8A8": lambda: simulated(path, spec, weights=True, activations=True),
         "fp32, W8A8 SmoothQuant alpha 0.5": lambda: smoothquant(path, spec, tokenizer, 0.5),
     }
-    print(f"{'variant':<46} {'mean KL':>8} {'top-1 agree':>12}")
+    print(f"{'variant':<50} {'mean KL':>8} {'top-1 agree':>12}")
     with torch.inference_mode():
         for name, build in variants.items():
             model = build()
             if model is None:
-                print(f"{name:<46} {'(no kernel on this CPU)':>21}")
+                print(f"{name:<50} {'(no kernel on this CPU)':>21}")
                 continue
             kl, agree = distance(all_logits(model, prompts), reference)
-            print(f"{name:<46} {kl:8.4f} {agree:12.3f}", flush=True)
+            print(f"{name:<50} {kl:8.4f} {agree:12.3f}", flush=True)
 
 
 def lossless_everywhere(path: Path, spec) -> LlamaModel:
@@ -119,19 +120,21 @@ def lossless_everywhere(path: Path, spec) -> LlamaModel:
 
 def vnni(path: Path, spec, qkv: str) -> LlamaModel | None:
     """The real kernel (qgemm_vnni.c) on every row; `qkv`: that projection's
-    activations, "fine" (14 bits, as shipped), "exact" (bf16) or "int8"."""
+    activations, "fine" (14 bits), "int8" or "exact" (bf16)."""
     if qgemm_vnni.load() is None:
         return None
     kernels = Kernels(onednn=True, vnni=True)
     model = LlamaModel.load(path, spec, torch.device("cpu"), torch.bfloat16, "lossless", kernels)
-    if qkv != "fine":  # rebuilt from the checkpoint without the model's fine flag
-        qkv_kernels = kernels if qkv == "int8" else Kernels(onednn=True, qgemm=True)
+    if qkv == "exact":  # rebuilt from the checkpoint without the model's fine flag
         file = next(path.glob("*.safetensors"))
         with safe_open(str(file), framework="pt") as f:
             for i, layer in enumerate(model.layers):
                 weight = torch.cat([f.get_tensor(f"model.layers.{i}.self_attn.{n}_proj.weight")
                                     for n in "qkv"])
-                layer.qkv = make_linear(weight, None, torch.bfloat16, "lossless", qkv_kernels)
+                layer.qkv = make_linear(weight, None, torch.bfloat16, "lossless",
+                                        Kernels(onednn=True, qgemm=True))
+    for layer in model.layers:  # a whole prompt is one step: its rows take one kernel
+        layer.qkv.fine_rows = 1 << 30 if qkv == "fine" else -1
     for linear in [model.lm_head] + [getattr(layer, name) for layer in model.layers
                                      for name in PROJECTIONS]:
         if type(linear) is not Dense:  # the narrow kernels even for the whole prompt

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import itertools
 import json
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import typer
@@ -100,6 +102,20 @@ def test_prompts_are_reproducible_and_differ_from_their_first_words():
     assert prompts != make_prompts(64, 24, seed=1)
     assert all(len(prompt.split()) == 24 for prompt in prompts)
     assert len({tuple(prompt.split()[:3]) for prompt in prompts}) == 64
+
+
+def test_serving_bench_levels_share_no_prompt_opening():
+    """No level (nor the warm-up) reuses another's prompts: our prefix cache
+    would serve their first blocks, and transformers has none."""
+    path = Path(__file__).resolve().parent.parent / "bench" / "serving_bench.py"
+    spec = importlib.util.spec_from_file_location("serving_bench", path)
+    sb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sb)
+    runs = [make_prompts(n, sb.PROMPT_WORDS, sb.level_seed(level))
+            for level, n in sb.LEVELS.items()]
+    runs.append(make_prompts(4, sb.PROMPT_WORDS, sb.SEED + 99))
+    openings = [tuple(prompt.split()[:3]) for run in runs for prompt in run]
+    assert len(set(openings)) == len(openings)
 
 
 def test_sse_data_joins_data_lines_and_skips_the_rest():

@@ -4,6 +4,8 @@ for decode steps; steps it does not take stay in Python."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -81,7 +83,23 @@ def test_each_regime_of_kernels_gives_the_python_forwards_logits(model_files):
     assert bounds[1] in seen
 
 
+def test_a_prefill_of_many_rows_runs_in_one_call_where_int8_serves_every_row(model_files):
+    """On int8 activations every projection serves every row count (qkv's fine
+    kernels up to linear.FINE_ROWS, int8 beyond), so prefill chunks run in layers.c."""
+    engine = make_engine(model_files, "bfloat16", max_batch_tokens=200)
+    if engine.model.driver.max_rows < 200:
+        pytest.skip("the driver's kernels stop short of 200 rows on this host (AMX's tiles)")
+    sampling = Sampling(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for i in range(5):
+        engine.add(EngineRequest(str(i), [3 + i] * 40, [], sampling))
+    plan = engine.batcher.schedule()
+    assert plan.num_tokens == 200
+    assert_driver_matches_python(engine, plan)
+
+
 def test_wider_steps_and_fp32_models_stay_in_python(engine, model_files):
-    assert not engine.model.driver.takes(engine.model.driver.max_rows + 1, engine.attention)
+    driver = engine.model.driver
+    if driver.max_rows < sys.maxsize:
+        assert not driver.takes(driver.max_rows + 1, engine.attention)
     fp32 = Engine(model_files.path, SchedulerConfig(dtype="float32"))
     assert fp32.model.driver is None and Driver.build(fp32.model, fp32.attention) is None

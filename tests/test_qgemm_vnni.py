@@ -20,6 +20,7 @@ from workers.scheduler import qgemm_amx, qgemm_vnni
 from workers.scheduler.calibrate import choose_kernels
 from workers.scheduler.engine import Engine
 from workers.scheduler.linear import (
+    FINE_ROWS,
     VNNI_BESIDE_AMX,
     Int4,
     Kernels,
@@ -170,17 +171,29 @@ def test_the_int8_path_takes_the_cpus_library(checkpoint):
             assert linear.vnni.same_dtype == (suffix == "avx2")
 
 
-def test_fine_weights_serve_up_to_64_rows_then_dense(checkpoint):
+def test_fine_weights_take_14_bits_up_to_fine_rows_then_int8(checkpoint):
+    """qkv's weights: the fine kernels while a step streams its weights, the
+    int8 ones on the same blocks beyond (no dense copy, no second copy)."""
     lib, suffix = qgemm_vnni.library()
     if lib is None:
         pytest.skip("no int8 kernel here")
     down = checkpoint["model.layers.7.mlp.down_proj.weight"]
     dtype = torch.bfloat16 if suffix == "vnni" else torch.float32
     linear = make_linear(down, None, dtype, "lossless", Kernels(onednn=True, vnni=True, fine=True))
-    assert linear.vnni is not None and linear.small_batch == 64
-    assert linear.onednn_weight is not None  # prefills past 64 rows run oneDNN's
-    x = torch.randn(65, down.shape[1]).to(dtype)
-    assert relative_error(linear(x), x.double() @ down.double().t()) < 1e-2
+    assert linear.fine_rows == FINE_ROWS and linear.vnni_rows > 512
+    assert linear.onednn_weight is None and linear.weight_t is None
+    assert linear.vnni_fine.q is linear.vnni.q
+    for rows in (1, FINE_ROWS, FINE_ROWS + 1, 600):
+        x = torch.randn(rows, down.shape[1]).to(dtype)
+        fine = rows <= FINE_ROWS
+        out = linear(x)
+        assert torch.equal(out, qgemm_vnni.matmul(x, linear.vnni_fine if fine else linear.vnni))
+        exact = x.double() @ down.double().t()
+        assert relative_error(out, exact) < (1e-2 if fine else 2e-2)
+    x = torch.randn(FINE_ROWS, down.shape[1]).to(dtype)  # 14 bits: far closer than int8
+    exact = x.double() @ down.double().t()
+    assert (relative_error(qgemm_vnni.matmul(x, linear.vnni_fine), exact)
+            < relative_error(qgemm_vnni.matmul(x, linear.vnni), exact))
 
 
 def test_int8_weights_serve_every_batch_without_a_dense_copy(checkpoint):

@@ -112,8 +112,8 @@ def choose_kernels(device: torch.device, dtype: torch.dtype, spec,
     if int8 and activations != "exact":
         # every batch: VNNI 0.25-0.78x oneDNN bf16's time on an AMD Zen 4, AVX2
         # 0.2-0.75x oneDNN fp32's on a Zen 3 (linear.Kernels); the projections
-        # that int8 is too coarse for (model.LlamaModel) take the fine kernels up
-        # to 64 rows, so that layers.c runs whole decode steps, and oneDNN beyond.
+        # that int8 is coarse for (model.LlamaModel) take the fine kernels up to
+        # linear.FINE_ROWS rows and int8 beyond, so that layers.c runs every step.
         # Beside AMX (auto): int8 up to linear.VNNI_BESIDE_AMX rows, the tiles on
         # bf16 beyond, up to 64
         return Kernels(onednn=onednn, vnni=True, amx=amx and activations == "auto")

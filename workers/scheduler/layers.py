@@ -57,9 +57,11 @@ def kernels_of(linear: Dense, dtype: torch.dtype) -> list[tuple[int, int, int]]:
         return []
     found = []
     packed = linear.vnni or (linear.qgemm if linear.qgemm and linear.qgemm.blocked else None)
-    if packed is not None and (dtype == torch.bfloat16 or getattr(packed, "same_dtype", False)):
-        rows = linear.vnni_rows if linear.vnni is not None else linear.small_batch
-        found.append((address(packed.kernel), packed.q.data_ptr(), rows))
+    rows = linear.vnni_rows if linear.vnni is not None else linear.small_batch
+    for blocks, reach in ((linear.vnni_fine, linear.fine_rows), (packed, rows)):
+        if blocks is not None and (dtype == torch.bfloat16
+                                   or getattr(blocks, "same_dtype", False)):
+            found.append((address(blocks.kernel), blocks.q.data_ptr(), reach))
     if linear.tiled is not None and dtype == torch.bfloat16:
         tiles = qgemm_amx.load()
         found.append((address(tiles.tiled_gemm), ctypes.addressof(linear.tiled.parts),

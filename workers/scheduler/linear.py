@@ -18,7 +18,11 @@ import torch
 from workers.scheduler import qgemm, qgemm_amx, qgemm_vnni
 
 GROUP = 32
-FINE_ROWS = 64  # rows a fine-activation weight serves up to; a dense copy beyond
+# rows a fine-activation weight (qkv) takes its fine kernels for; int8 beyond.
+# Up to here a step streams its weights, so 14 bits cost nothing (paired engine
+# steps, AMD Zen 4: the same time at 1 row); beyond, the step is compute bound
+# and int8 takes 0.85-0.88x the fine kernels' step time at 32 and 64 rows
+FINE_ROWS = 16
 # oneDNN builds a kernel for each new row count (~5 ms for a 3072 x 576 bf16
 # weight, measured: 4-5x the matmul at 500 rows), and serving's steps come in
 # every count: its batches are padded to a multiple of this, a few kernels in all
@@ -39,7 +43,7 @@ class Kernels:
     amx: bool = False  # 4- and 8-bit on bf16 activations through qgemm_amx.c
     vnni: bool = False  # 4- and 8-bit on int8 activations through qgemm_vnni.c
     # (with amx too: up to VNNI_BESIDE_AMX rows, the tiles beyond)
-    fine: bool = False  # with vnni: its fine kernels, activations rounded to 14 bits
+    fine: bool = False  # with vnni: its fine kernels (14-bit activations) up to FINE_ROWS
 
     def small_batch(self, dtype: torch.dtype) -> int:
         """Rows up to which the 4-bit path beats the dense matmul, measured as
@@ -60,15 +64,15 @@ class Kernels:
         - qgemm_vnni.c beside oneDNN bf16 (AMD Zen 4): every batch (0.25-0.3x at
           1 row, 0.5-0.65x at 16, 0.7x at 64, 0.72-0.78x at 128-512), so the
           weight keeps no dense copy.
-        - its fine kernels beside oneDNN bf16 (AMD Zen 5, 30 qkv weights): 64,
-          the rows layers.c takes (0.33x at 1 row, 0.77x at 16, 1.14x at 64,
-          1.3-1.5x at 128-512; against qgemm_bf16.c 0.67-0.94x).
+        - its fine kernels (qkv) serve up to FINE_ROWS, the int8 ones beyond:
+          every batch too (the fine ones beside oneDNN bf16, AMD Zen 5: 0.33x at
+          1 row, 0.77x at 16, 1.14x at 64, 1.3-1.5x at 128-512).
         - qgemm_vnni.c beside qgemm_amx.c (Intel Xeon with AMX): the tiles' 64,
           of which int8 serves the first VNNI_BESIDE_AMX rows."""
         if self.amx and dtype == torch.bfloat16:
             return 64
         if self.vnni and qgemm_vnni.takes(dtype):
-            return FINE_ROWS if self.fine else sys.maxsize
+            return sys.maxsize
         if self.qgemm:
             return 40 if dtype == torch.float32 else 12
         if self.onednn:
@@ -85,9 +89,11 @@ class Dense:
 
     small_batch = -1  # no narrower copy: every batch is dense
     vnni_rows = -1  # rows the int8 blocks serve, where the weight has them
+    fine_rows = -1  # rows of those the fine kernels take (14-bit activations), where set
     qgemm: qgemm.Packed | None = None  # the narrow copy in one of our kernels' layouts
     tiled: qgemm_amx.Tiled | None = None
     vnni: qgemm_vnni.Blocked | None = None
+    vnni_fine: qgemm_vnni.Blocked | None = None  # the same blocks on the fine kernels
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  kernels: Kernels = PLAIN, dense: bool = True):
@@ -131,22 +137,29 @@ class Dense:
     @staticmethod
     def keeps_dense(kernels: Kernels, dtype: torch.dtype, weight: torch.Tensor) -> bool:
         """Whether batches past the narrow copy's reach need a dense copy."""
-        return (not uses_vnni(kernels, dtype, weight) or kernels.fine
-                or uses_amx(kernels, dtype, weight))
+        return not uses_vnni(kernels, dtype, weight) or uses_amx(kernels, dtype, weight)
 
     def _small_kernels(self, kernels: Kernels, dtype: torch.dtype,
                        weight: torch.Tensor) -> Kernels:
         """The kernels this weight's narrow copy runs on (AMX only where it
         fits), and the batch they serve up to."""
-        self.qgemm = self.tiled = self.vnni = None
+        self.qgemm = self.tiled = self.vnni = self.vnni_fine = None
         kernels = replace(kernels, amx=uses_amx(kernels, dtype, weight),
                           vnni=uses_vnni(kernels, dtype, weight))
         self.small_batch = kernels.small_batch(dtype)
         self.vnni_rows = (-1 if not kernels.vnni else VNNI_BESIDE_AMX if kernels.amx
                           else self.small_batch)
+        self.fine_rows = min(FINE_ROWS, self.vnni_rows) if kernels.fine else -1
         return kernels
 
+    def _with_vnni(self, blocked: qgemm_vnni.Blocked) -> None:
+        self.vnni = blocked
+        if self.fine_rows > 0:
+            self.vnni_fine = qgemm_vnni.fine(blocked)
+
     def small(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vnni_fine is not None and x.shape[0] <= self.fine_rows:
+            return qgemm_vnni.matmul(x, self.vnni_fine)
         if self.vnni is not None and x.shape[0] <= self.vnni_rows:
             return qgemm_vnni.matmul(x, self.vnni)
         if self.tiled is not None:
@@ -171,7 +184,7 @@ class Int4(Dense):
         scale, zero = scales_zeros[..., 0].t(), scales_zeros[..., 1].t()
         if kernels.vnni or kernels.amx:  # either or both (int8 up to VNNI_BESIDE_AMX rows)
             if kernels.vnni:
-                self.vnni = qgemm_vnni.pack_q4(levels, scale, zero - 8 * scale, kernels.fine)
+                self._with_vnni(qgemm_vnni.pack_q4(levels, scale, zero - 8 * scale))
             if kernels.amx:
                 self.tiled = qgemm_amx.pack_q4(levels, scale, zero - 8 * scale)
         elif kernels.qgemm:
@@ -196,8 +209,7 @@ class Int8(Dense):
         super().__init__(weight, bias, dtype, kernels, self.keeps_dense(kernels, dtype, weight))
         kernels = self._small_kernels(kernels, dtype, weight)
         if kernels.vnni:
-            self.vnni = qgemm_vnni.pack_q8(levels, scale.reshape(levels.shape[0], -1),
-                                           kernels.fine)
+            self._with_vnni(qgemm_vnni.pack_q8(levels, scale.reshape(levels.shape[0], -1)))
         if kernels.amx:
             self.tiled = qgemm_amx.pack_q8(levels, scale.reshape(levels.shape[0], -1))
         if kernels.vnni or kernels.amx:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
@@ -84,6 +84,13 @@ def _bound(bits: int, q: torch.Tensor, out_dim: int, fine: bool, on: str | None)
     lib, suffix = library() if on is None else ({"vnni": load, "avx2": load_avx2}[on](), on)
     kernel = getattr(lib, f"q{bits}_gemm_{suffix}" + ("_fine" if fine else ""))
     return Blocked(bits, q.contiguous(), out_dim, kernel, suffix == "avx2")
+
+
+def fine(w: Blocked) -> Blocked:
+    """The same blocks (shared, not copied) on the fine kernel of their library."""
+    suffix = "avx2" if w.same_dtype else "vnni"
+    lib = {"vnni": load, "avx2": load_avx2}[suffix]()
+    return replace(w, kernel=getattr(lib, f"q{w.bits}_gemm_{suffix}_fine"))
 
 
 def fits(out_dim: int, in_dim: int) -> bool:
