@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeline.errors import ConfigError
+from pipeline.worker import run_loop
 
 WORDS = (
     "apple river stone cloud garden winter paper engine silver forest window candle "
@@ -202,7 +203,7 @@ async def run_bench_async(options: BenchOptions) -> dict:
 
 
 def run_bench(options: BenchOptions) -> dict:
-    return asyncio.run(run_bench_async(options))
+    return run_loop(run_bench_async(options))  # a lean client: it shares the machine
 
 
 def describe_ms(values_s: list[float]) -> dict[str, float | None]:

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 
 from pipeline.config import Config
 from pipeline.models import ModelFiles, resolve_model
+from pipeline.worker import run_loop
 
 log = logging.getLogger("pipeline.roles")
 
@@ -31,7 +32,7 @@ def _run_until_signal(main: Callable[[], Awaitable[None]]) -> None:
         except asyncio.CancelledError:
             log.info("stopping on signal")
 
-    asyncio.run(runner())
+    run_loop(runner())
 
 
 def run_api(config: Config, model: ModelFiles, api_workers: int) -> None:
