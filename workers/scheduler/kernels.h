@@ -147,7 +147,7 @@ void NAME(const X *x, int M, int K, const uint8_t *w, void *y, int bf16, int N) 
         /* its barrier: every span is set, every row quantized */                          \
         _Pragma("omp for schedule(static)")                                                \
         for (int m = 0; m < M; m++)                                                        \
-            quantize(x, m, K, bf16, q + (int64_t)m * stride, xs + (int64_t)m * 2 * G, FINE); \
+            quantize(x, m, K, bf16, q + (int64_t)m * stride, xs + (int64_t)m * 2 * G, BITS, FINE); \
         for (int from = 0, b; (b = span_next(spans, &from)) >= 0;)                         \
             column(q, xs, M, K, w, y, bf16, N, b * LANES, BITS, FINE);                     \
     }                                                                                      \

@@ -204,7 +204,9 @@ static inline __attribute__((always_inline)) void column(
 
 /* Row m of x (fp32, or bf16 as y is) into q and scales (INT8_GEMM in kernels.h). */
 static inline __attribute__((always_inline)) void quantize(
-        const void *x, int m, int K, int bf16, int8_t *q, float *scales, const int FINE) {
+        const void *x, int m, int K, int bf16, int8_t *q, float *scales, const int BITS,
+        const int FINE) {
+    (void)BITS;
     quantize_row((const char *)x + (int64_t)m * K * (bf16 ? 2 : 4), bf16, K, q, scales, FINE);
 }
 
