@@ -90,8 +90,8 @@ def main() -> None:
     variants = {
         "bf16 (shipped)": lambda: LlamaModel.load(path, spec, cpu, torch.bfloat16),
         "bf16 + lossless 4/8-bit, every row (shipped)": lambda: lossless_everywhere(path, spec),
-        "bf16 + int8 act., qkv 14-bit (shipped <= 16 rows)": lambda: vnni(path, spec, "fine"),
-        "bf16 + int8 act., qkv too (shipped > 16 rows)": lambda: vnni(path, spec, "int8"),
+        "bf16 + int8 act., qkv 14-bit (shipped <= 4 rows)": lambda: vnni(path, spec, "fine"),
+        "bf16 + int8 act., qkv too (shipped > 4 rows)": lambda: vnni(path, spec, "int8"),
         "bf16 + int8 act., qkv exact (VNNI)": lambda: vnni(path, spec, "exact"),
         "fp32, int8 weights": lambda: simulated(path, spec, weights=True, activations=False),
         "fp32, int8 activations": lambda: simulated(path, spec, weights=False, activations=True),

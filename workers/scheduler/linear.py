@@ -19,10 +19,11 @@ from workers.scheduler import qgemm, qgemm_amx, qgemm_vnni
 
 GROUP = 32
 # rows a fine-activation weight (qkv) takes its fine kernels for; int8 beyond.
-# Up to here a step streams its weights, so 14 bits cost nothing (paired engine
-# steps, AMD Zen 4: the same time at 1 row); beyond, the step is compute bound
-# and int8 takes 0.85-0.88x the fine kernels' step time at 32 and 64 rows
-FINE_ROWS = 16
+# Up to here a step streams its weights, so 14 bits cost little; beyond, the
+# step is compute bound. Paired engine steps with qkv on int8 against qkv on the
+# fine kernels (AMD Zen 4, one process): 1.0x at 1 row, 0.98x at 4, 0.95x at 8,
+# 0.94x at 16, 0.93x at 32, 0.90x at 64
+FINE_ROWS = 4
 # oneDNN builds a kernel for each new row count (~5 ms for a 3072 x 576 bf16
 # weight, measured: 4-5x the matmul at 500 rows), and serving's steps come in
 # every count: its batches are padded to a multiple of this, a few kernels in all
