@@ -171,6 +171,19 @@ def test_the_int8_path_takes_the_cpus_library(checkpoint):
             assert linear.vnni.same_dtype == (suffix == "avx2")
 
 
+@each_library
+def test_fine_binds_the_same_blocks_to_their_librarys_fine_kernel(checkpoint, on):
+    for weight, bits in weights(checkpoint):
+        plain = blocks(weight, bits, False, on)
+        fine = qgemm_vnni.fine(plain)
+        assert fine.q is plain.q and fine.same_dtype == plain.same_dtype
+        x = torch.randn(5, weight.shape[1])
+        if on == "vnni":
+            x = x.bfloat16()
+        assert torch.equal(qgemm_vnni.matmul(x, fine),
+                           qgemm_vnni.matmul(x, blocks(weight, bits, True, on)))
+
+
 def test_fine_weights_take_14_bits_up_to_fine_rows_then_int8(checkpoint):
     """qkv's weights: the fine kernels while a step streams its weights, the
     int8 ones on the same blocks beyond (no dense copy, no second copy)."""
