@@ -79,18 +79,21 @@ def pack_q8(levels: torch.Tensor, scale: torch.Tensor, fine: bool = False,
                   levels.shape[0], fine, on)
 
 
+def _kernel(bits: int, suffix: str, fine: bool) -> Callable:
+    """The matmul of library `suffix` ("vnni" or "avx2") for `bits`-bit blocks."""
+    lib = {"vnni": load, "avx2": load_avx2}[suffix]()
+    return getattr(lib, f"q{bits}_gemm_{suffix}" + ("_fine" if fine else ""))
+
+
 def _bound(bits: int, q: torch.Tensor, out_dim: int, fine: bool, on: str | None) -> Blocked:
     """The blocks with the kernel they run on: `on`'s, else this CPU's."""
-    lib, suffix = library() if on is None else ({"vnni": load, "avx2": load_avx2}[on](), on)
-    kernel = getattr(lib, f"q{bits}_gemm_{suffix}" + ("_fine" if fine else ""))
-    return Blocked(bits, q.contiguous(), out_dim, kernel, suffix == "avx2")
+    suffix = library()[1] if on is None else on
+    return Blocked(bits, q.contiguous(), out_dim, _kernel(bits, suffix, fine), suffix == "avx2")
 
 
 def fine(w: Blocked) -> Blocked:
     """The same blocks (shared, not copied) on the fine kernel of their library."""
-    suffix = "avx2" if w.same_dtype else "vnni"
-    lib = {"vnni": load, "avx2": load_avx2}[suffix]()
-    return replace(w, kernel=getattr(lib, f"q{w.bits}_gemm_{suffix}_fine"))
+    return replace(w, kernel=_kernel(w.bits, "avx2" if w.same_dtype else "vnni", True))
 
 
 def fits(out_dim: int, in_dim: int) -> bool:
