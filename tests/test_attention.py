@@ -110,7 +110,9 @@ def test_in_place_decode_takes_every_group_size(heads, kv_heads):
                     reason="no avx512_bf16 CPU or no C compiler")
 @pytest.mark.parametrize("dim", [64, 128])
 def test_avx512_bf16_build_matches_the_avx2_one(dim):
-    """bf16 dot products of q and k are exact, as the AVX2 build's fp32 ones."""
+    """bf16 dot products of q and k are exact, as the AVX2 build's fp32 ones;
+    the weighted sum of values takes the softmax's numerators in bf16 (their
+    sum divided out in fp32): 2^-8.6 of the largest output at most here."""
     generator = torch.Generator().manual_seed(0)
     caches = [torch.randn(KV_HEADS, 64 * BLOCK, dim, generator=generator).bfloat16()
               for _ in range(2)]
