@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pipeline.config import ApiConfig, RedisConfig
-from pipeline.errors import RETRY, Overloaded, error_from_code
+from pipeline.errors import RETRY, Overloaded, RequestTimeout, error_from_code
 from pipeline.messages import (
     Cancel,
     Delta,
@@ -31,6 +31,7 @@ from pipeline.worker import retrying
 
 log = logging.getLogger("pipeline.api")
 CONTROL_MAXLEN = 10_000  # fan-out stream: nobody pends on it, so a plain cap is safe
+EXPIRED = object()  # a request's deadline, as an event in its queue
 
 
 @dataclass
@@ -105,33 +106,50 @@ class Frontend:
         await self.client.redis.delete(self.reply_to, self.keys.alive("api", self.frontend_id))
 
     async def generate(
-        self, prompt_ids: list[int], sampling: Sampling, request_id: str | None = None
+        self, prompt_ids: list[int], sampling: Sampling, request_id: str | None = None,
+        timeout_s: float | None = None,
     ) -> AsyncIterator[Delta]:
-        """Submit one request and yield its deltas; raises the request's error."""
+        """Submit one request and yield its deltas; raises the request's error, or
+        RequestTimeout once `timeout_s` (default: the config's) has passed.
+        The deadline arrives as an event in the request's queue, not as a
+        cancellation, so a caller may iterate this in its own task, suspended
+        anywhere between deltas (a streaming response writing to its client)."""
         if self.queue_depth >= self.config.max_queued_requests:
             raise Overloaded(f"{self.queue_depth} requests are waiting for a scheduler; "
                              "retry shortly")
         request_id = request_id or uuid.uuid4().hex
-        deadline_ms = int((time.time() + self.config.request_timeout_s) * 1000)
+        timeout_s = self.config.request_timeout_s if timeout_s is None else timeout_s
+        deadline_ms = int((time.time() + timeout_s) * 1000)
         submit = Submit(request_id=request_id, reply_to=self.reply_to, prompt_ids=prompt_ids,
                         sampling=sampling, deadline_ms=deadline_ms)
         state = RequestState(submit)
         self.states[request_id] = state
+        loop = asyncio.get_running_loop()
+        expiry = loop.call_later(timeout_s, state.events.put_nowait, EXPIRED)
         try:
-            await retrying(lambda: self.client.add(self.keys.requests, submit), "submit")
+            async with asyncio.timeout_at(loop.time() + timeout_s):  # Redis down: no end
+                await retrying(lambda: self.client.add(self.keys.requests, submit), "submit")
             while True:
                 event = await state.events.get()
+                if event is EXPIRED:
+                    raise RequestTimeout(f"no answer within {timeout_s:g} s")
                 if isinstance(event, Failed):
                     raise error_from_code(event.code, event.detail)
                 yield event
                 if event.finish is not None:
                     return
+        except TimeoutError:
+            raise RequestTimeout(f"no answer within {timeout_s:g} s") from None
         finally:
+            expiry.cancel()
             del self.states[request_id]
-            if not state.finished:
-                with contextlib.suppress(Exception):
-                    await self.client.add(self.keys.control, Cancel([request_id]),
-                                          maxlen=CONTROL_MAXLEN)
+            if not state.finished:  # in a task of our own: the caller may be cancelled
+                self._spawn(self._cancel(request_id))
+
+    async def _cancel(self, request_id: str) -> None:
+        with contextlib.suppress(Exception):
+            await self.client.add(self.keys.control, Cancel([request_id]),
+                                  maxlen=CONTROL_MAXLEN)
 
     async def _read_replies(self) -> None:
         reader = self.client.reader()

@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from api.errors import sse_error
 from api.frontend import Frontend
-from pipeline.errors import RequestTimeout, error_from_code
+from pipeline.errors import error_from_code
 from pipeline.messages import Delta, Sampling, TokenLogprob
 
 Event = tuple[int, Delta]  # (choice index, its next delta)
@@ -50,22 +50,26 @@ async def choice_events(
     timeout_s: float,
 ) -> AsyncIterator[Event]:
     """Every choice's deltas as they come; each choice's own deltas stay in order.
-    The first failure of any choice is raised and the other choices are cancelled."""
+    The first failure of any choice is raised and the other choices are cancelled.
+    One choice (n = 1, nearly every request) is read in the caller's task: no
+    task or queue between the frontend and the response, a hop less a token."""
+    if len(samplings) == 1:
+        deltas = frontend.generate(prompt_ids, samplings[0], f"{request_id}-0", timeout_s)
+        async with aclosing(deltas):
+            async for delta in deltas:
+                yield 0, delta
+        return
     queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
 
     async def run(index: int, sampling: Sampling) -> None:
         try:
-            async with asyncio.timeout(timeout_s):
-                async for delta in frontend.generate(prompt_ids, sampling, f"{request_id}-{index}"):
-                    queue.put_nowait((index, delta))
-        except TimeoutError:
-            queue.put_nowait((index, RequestTimeout(f"no answer within {timeout_s:g} s")))
+            async for delta in frontend.generate(prompt_ids, sampling, f"{request_id}-{index}",
+                                                 timeout_s):
+                queue.put_nowait((index, delta))
         except Exception as error:  # handed to the consumer, which raises it
             queue.put_nowait((index, error))
         queue.put_nowait((index, None))
 
-    # plain tasks, not the server's cancel scope: a cancelled generate() must still
-    # get its Cancel out to the schedulers
     tasks = [asyncio.create_task(run(i, s)) for i, s in enumerate(samplings)]
     try:
         num_running = len(tasks)

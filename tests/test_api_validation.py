@@ -3,18 +3,23 @@ never a 500. A real app on the real Redis, no model run needed; the api never lo
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+import time
 from contextlib import asynccontextmanager
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 
 from api.app import CONFIG_ENV, app_from_env, create_app
 from pipeline.config import ApiConfig, Config, RedisConfig
 from pipeline.config_io import config_from_json, config_to_json
 from pipeline.embedded_redis import EmbeddedRedis
 from pipeline.errors import ConfigError
+from pipeline.messages import FIELD, control_decoder
+from pipeline.streams import Keys
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -241,6 +246,36 @@ async def test_health_is_503_when_redis_goes_away(prefix, model_files):
             assert response.json()["status"] == "unavailable"
     finally:
         redis_server.stop()
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["one-choice", "two-choices"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_request_nobody_answers_is_a_408_by_its_deadline_and_is_cancelled(
+        redis_url, prefix, model_files, n, stream):
+    """No scheduler here: the frontend's deadline (an event in the request's queue,
+    both for one choice read in the response's task and for several merged) gives
+    the client a 408 in time, and the schedulers a Cancel for every choice."""
+    async with serving(redis_url, prefix, model_files, request_timeout_s=0.3) as client:
+        started = time.monotonic()
+        async with asyncio.timeout(10):  # not forever, if the deadline is lost
+            response = await client.post(COMPLETIONS, json={"prompt": "Hi", "n": n,
+                                                            "stream": stream})
+        seconds = time.monotonic() - started
+        assert_openai_error(response, 408, "timeout")
+        assert 0.3 <= seconds < 5.0
+        redis = aioredis.Redis.from_url(redis_url)
+        try:
+            for _ in range(50):  # the Cancels go out from the frontend's own tasks
+                entries = await redis.xrange(Keys(prefix).control)
+                cancelled = [request_id for _, fields in entries
+                             for request_id in control_decoder.decode(fields[FIELD]).request_ids]
+                if len(cancelled) == n:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await redis.aclose()
+        assert len({c.rsplit("-", 1)[0] for c in cancelled}) == 1  # one request's choices
+        assert sorted(c.rsplit("-", 1)[1] for c in cancelled) == [str(i) for i in range(n)]
 
 
 async def test_an_api_key_is_required_everywhere_but_health(redis_url, prefix, model_files):
