@@ -110,9 +110,10 @@ def test_in_place_decode_takes_every_group_size(heads, kv_heads):
                     reason="no avx512_bf16 CPU or no C compiler")
 @pytest.mark.parametrize("dim", [64, 128])
 def test_avx512_bf16_build_matches_the_avx2_one(dim):
-    """bf16 dot products of q and k are exact, as the AVX2 build's fp32 ones;
-    the weighted sum of values takes the softmax's numerators in bf16 (their
-    sum divided out in fp32): 2^-8.6 of the largest output at most here."""
+    """bf16 dot products are exact, as the AVX2 build's fp32 ones: q . k, and
+    the weighted sum of values with the softmax's numerators in two bf16 parts
+    (~2^-17). Within one bf16 rounding of the largest output (one bf16 part
+    alone was 2^-8.6 of it here, and fails this)."""
     generator = torch.Generator().manual_seed(0)
     caches = [torch.randn(KV_HEADS, 64 * BLOCK, dim, generator=generator).bfloat16()
               for _ in range(2)]
@@ -130,5 +131,5 @@ def test_avx512_bf16_build_matches_the_avx2_one(dim):
         out = torch.zeros(rows, HEADS * dim, dtype=torch.bfloat16)
         kernel(0, q, k, v, dim ** -0.5, out)
         outs.append(out.float())
-    assert (outs[0] - outs[1]).abs().max().item() <= 2 ** -7 * outs[1].abs().max().item()
+    assert (outs[0] - outs[1]).abs().max().item() <= 2 ** -9 * outs[1].abs().max().item()
     assert outs[0].abs().max().item() > 0.1

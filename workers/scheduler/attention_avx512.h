@@ -1,8 +1,8 @@
 /* paged_attention.c's two loops over a bf16 cache on AVX-512 with its bf16
    dot product (built so where the CPU has avx512_bf16; head dims 64 and 128):
    q . k as 32 exact bf16 products a vdpbf16ps, summed in fp32; the weighted sum
-   of values likewise, with the softmax's numerators rounded to bf16 and its
-   sum divided out in fp32 at the end. Scores prefetch the values to L2. */
+   of values likewise, the softmax's numerators split into two bf16 parts and
+   their sum divided out in fp32 at the end. Scores prefetch the values to L2. */
 
 #ifndef PIPELINE_ATTENTION_AVX512_H
 #define PIPELINE_ATTENTION_AVX512_H
@@ -68,31 +68,41 @@ static inline __attribute__((always_inline)) void scores_bf16(
     }
 }
 
-/* e [GC, len] (softmax numerators, fp32) as bf16 pairs: pairs[g * stride + j]
-   holds positions 2j and 2j + 1, past len zero; stride = pair_stride(len). */
+/* e [GC, len] (softmax numerators, fp32) as bf16 pairs, each split in two: hi =
+   bf16(e), lo = bf16(e - hi), so hi + lo holds e to ~2^-17. Head g's hi pairs
+   at pairs[2 g * stride + j], its lo pairs a stride on: positions 2j and
+   2j + 1, past len zero; stride = pair_stride(len). */
 static inline int pair_stride(int len) { return (len + 31) / 32 * 16; }
+
+static inline __m512 bf16_half(__m512bh both, int upper) {
+    __m256i half = _mm512_extracti64x4_epi64((__m512i)both, upper);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
 
 static inline void bf16_pairs(const float *e, int len, uint32_t *pairs, int GC) {
     const int stride = pair_stride(len);
     for (int g = 0; g < GC; g++)
         for (int p = 0; p < len; p += 32) {
-            const int lo = len - p, hi = len - p - 16;
-            const __mmask16 lo_here = lo >= 16 ? 0xFFFF : (__mmask16)((1u << lo) - 1);
-            const __mmask16 hi_here = hi >= 16 ? 0xFFFF : hi <= 0 ? 0
-                                                               : (__mmask16)((1u << hi) - 1);
-            __m512bh both = _mm512_cvtne2ps_pbh(
-                _mm512_maskz_loadu_ps(hi_here, e + g * len + p + 16),
-                _mm512_maskz_loadu_ps(lo_here, e + g * len + p));
-            _mm512_storeu_si512(pairs + g * stride + p / 2, (__m512i)both);
+            const int lo_n = len - p, hi_n = len - p - 16;
+            const __mmask16 lo_here = lo_n >= 16 ? 0xFFFF : (__mmask16)((1u << lo_n) - 1);
+            const __mmask16 hi_here = hi_n >= 16 ? 0xFFFF : hi_n <= 0 ? 0
+                                                                   : (__mmask16)((1u << hi_n) - 1);
+            __m512 first = _mm512_maskz_loadu_ps(lo_here, e + g * len + p);
+            __m512 second = _mm512_maskz_loadu_ps(hi_here, e + g * len + p + 16);
+            __m512bh hi = _mm512_cvtne2ps_pbh(second, first);
+            __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_sub_ps(second, bf16_half(hi, 1)),
+                                              _mm512_sub_ps(first, bf16_half(hi, 0)));
+            _mm512_storeu_si512(pairs + 2 * g * stride + p / 2, (__m512i)hi);
+            _mm512_storeu_si512(pairs + (2 * g + 1) * stride + p / 2, (__m512i)lo);
         }
 }
 
 /* out[g] = inverse[g] * sum_p e[g, p] values[p] from e's bf16 pairs: the
    values of two positions interleaved (vpunpcklwd / vpunpckhwd) against one
-   pair, 32 products a vdpbf16ps, summed in fp32 (0.4x the ops of widening
-   each value to fp32 for 16 FMAs; P in bf16, as flash attention takes it). A
-   lane of the low half holds dims 8k..8k+3 of a 128-bit quarter k, of the
-   high half 8k+4..8k+7: put back in order at the end. */
+   pair, 32 exact products a vdpbf16ps, summed in fp32, once for hi and once
+   for lo (0.6x the ops of widening each value to fp32 for 16 FMAs; as exact
+   as them: e to ~2^-17). A lane of the low half holds dims 8k..8k+3 of a
+   128-bit quarter k, of the high half 8k+4..8k+7: put back in order at the end. */
 static inline __attribute__((always_inline)) void weighted_sum_bf16(
         const uint32_t *pairs, const float *inverse, const void *const *values, int len,
         float *out, const int GC, const int DIM) {
@@ -116,9 +126,12 @@ static inline __attribute__((always_inline)) void weighted_sum_bf16(
             __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
             #pragma GCC unroll 3
             for (int g = 0; g < GC; g++) {
-                __m512bh w = (__m512bh)_mm512_set1_epi32((int)pairs[g * stride + p / 2]);
-                acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], lo, w);
-                acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], hi, w);
+                const uint32_t *at = pairs + 2 * g * stride + p / 2;
+                __m512bh w = (__m512bh)_mm512_set1_epi32((int)at[0]);
+                __m512bh rest = (__m512bh)_mm512_set1_epi32((int)at[stride]);
+                acc[g][2 * c] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[g][2 * c], lo, w), lo, rest);
+                acc[g][2 * c + 1] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[g][2 * c + 1], hi, w),
+                                                     hi, rest);
             }
         }
     }

@@ -239,10 +239,10 @@ void paged_decode(const void *q, int64_t q_stride, const void *k, int64_t k_stri
                                   h + 1 < kv_heads ? h + 1 : 0);
                 const int len = lengths[b];
                 const int32_t *table = tables + (int64_t)b * table_width;
-                /* on the stack up to 2048 positions (52 KB at a group of 3) */
+                /* on the stack up to 2048 positions (64 KB at a group of 3) */
                 const int on_heap = len > 2048, room = on_heap ? len : 2048;
                 const size_t pointers = 2 * (size_t)room;
-                const size_t pair_words = 3 * (size_t)((room + 31) / 32 * 16);
+                const size_t pair_words = 6 * (size_t)((room + 31) / 32 * 16);
                 const size_t floats = (size_t)group * (room + 2 * dim) + pair_words;
                 const void *stack_pointers[on_heap ? 1 : pointers];
                 float stack_floats[on_heap ? 1 : floats];
