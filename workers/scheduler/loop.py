@@ -151,8 +151,26 @@ class Scheduler:
     async def take(self, control: list, requests: list) -> None:
         for _entry_id, raw in control:
             self.on_control(raw)
+        decoded = []
         for entry_id, raw in requests:
-            await self.admit(entry_id, raw)
+            try:
+                decoded.append((entry_id, requests_decoder.decode(raw)))
+            except msgspec.DecodeError as error:
+                await self.client.dead_letter(self.keys.requests, entry_id, raw, str(error),
+                                              self.keys.dead_letters)
+                self.to_ack.append(entry_id)
+        if not decoded:
+            return
+        # which of them this tier sees first, all in one round trip: a burst of 64
+        # arrivals took 64 in turn before the first step, with the engine idle (64 SET
+        # NX on an idle host: 7.6-9.4 ms in turn, 1.2-1.4 ms in one pipeline)
+        async with self.client.redis.pipeline(transaction=False) as pipe:
+            for _entry_id, submit in decoded:
+                pipe.set(self.keys.admitted(f"{submit.request_id}:{submit.attempt}"),
+                         self.worker_id, nx=True, ex=ADMITTED_TTL_S)
+            firsts = await pipe.execute()
+        for (entry_id, submit), first in zip(decoded, firsts, strict=True):
+            self.admit(entry_id, submit, bool(first))
 
     async def upkeep(self) -> None:
         """Once a heartbeat: keep our entries, drop abandoned work, rescue the dead's."""
@@ -219,17 +237,8 @@ class Scheduler:
             self.engine.abort(request_id)
             self.to_ack.append(self.running.pop(request_id).entry_id)
 
-    async def admit(self, entry_id: str, raw: bytes) -> None:
-        try:
-            submit = requests_decoder.decode(raw)
-        except msgspec.DecodeError as error:
-            await self.client.dead_letter(self.keys.requests, entry_id, raw, str(error),
-                                          self.keys.dead_letters)
-            self.to_ack.append(entry_id)
-            return
-        first = await self.client.redis.set(
-            self.keys.admitted(f"{submit.request_id}:{submit.attempt}"), self.worker_id,
-            nx=True, ex=ADMITTED_TTL_S)
+    def admit(self, entry_id: str, submit: Submit, first: bool) -> None:
+        """`first`: no scheduler took this attempt before (take's SET NX)."""
         if not first:  # a retried XADD delivered it twice: run it once
             self.to_ack.append(entry_id)
             return
