@@ -212,6 +212,7 @@ void paged_decode(const void *q, int64_t q_stride, const void *k, int64_t k_stri
                   const int32_t *lengths, int block_size, float scale, void *out) {
     const int group = heads / kv_heads, width = bf16 ? 2 : 4;
     const size_t row_bytes = (size_t)width * dim;
+    Span *spans = aligned_alloc(64, sizeof(Span) * omp_get_max_threads());
     /* one decode's few heads cost less than waking the second thread */
     #pragma omp parallel if (batch * kv_heads > 4 || rows > 64)
     {
@@ -225,14 +226,16 @@ void paged_decode(const void *q, int64_t q_stride, const void *k, int64_t k_stri
                 memcpy((char *)v_cache + at, (const char *)v + width * t * v_stride + from,
                        row_bytes);
             }
-        /* whole sequences dealt out in turn, so that each thread knows its next
-           task and starts its keys and values on their way from memory (with a
-           dynamic schedule and no prefetch: 1.4x the time at 64 decodes) */
-        const int threads = omp_get_num_threads();
-        #pragma omp for schedule(static, 1)
-        for (int b = 0; b < batch; b++) {
+        /* whole sequences, each thread a contiguous range taken in order, so that it
+           knows its next task and starts its keys and values on their way from
+           memory (a dynamic schedule without that prefetch: 1.4x the time at 64
+           decodes); a thread done with its own takes the others' last ones
+           (kernels.h's Span), so one the OS preempts holds up the other less */
+        span_init(spans, batch);
+        #pragma omp barrier
+        for (int from = 0, b; (b = span_next(spans, &from)) >= 0;) {
             for (int h = 0; h < kv_heads; h++) {
-                int next_b = h + 1 < kv_heads ? b : b + threads;
+                int next_b = h + 1 < kv_heads ? b : b + 1;
                 if (next_b < batch)
                     prefetch_task(k_cache, v_cache, cache_slots, row_bytes, tables, table_width,
                                   lengths[next_b], block_size, next_b,
@@ -287,4 +290,5 @@ void paged_decode(const void *q, int64_t q_stride, const void *k, int64_t k_stri
             }
         }
     }
+    free(spans);
 }
