@@ -63,7 +63,7 @@ static inline __attribute__((always_inline)) void scores_bf16(
                                               (__m512bh)_mm512_loadu_si512(k + 32 * c));
             }
             __m512 s = _mm512_mul_ps(sums16(acc), _mm512_set1_ps(scale));
-            _mm512_mask_storeu_ps(score + g * len + p, (__mmask16)((1u << n) - 1), s);
+            _mm512_mask_storeu_ps(score + g * len + p, first_lanes(n), s);
         }
     }
 }
@@ -71,8 +71,7 @@ static inline __attribute__((always_inline)) void scores_bf16(
 /* e [GC, len] (softmax numerators, fp32) as bf16 pairs, each split in two: hi =
    bf16(e), lo = bf16(e - hi), so hi + lo holds e to ~2^-17. Head g's hi pairs
    at pairs[2 g * stride + j], its lo pairs a stride on: positions 2j and
-   2j + 1, past len zero; stride = pair_stride(len). */
-static inline int pair_stride(int len) { return (len + 31) / 32 * 16; }
+   2j + 1, past len zero; stride = pair_stride(len) (paged_attention.c). */
 
 static inline __m512 bf16_half(__m512bh both, int upper) {
     __m256i half = _mm512_extracti64x4_epi64((__m512i)both, upper);
@@ -83,12 +82,9 @@ static inline void bf16_pairs(const float *e, int len, uint32_t *pairs, int GC) 
     const int stride = pair_stride(len);
     for (int g = 0; g < GC; g++)
         for (int p = 0; p < len; p += 32) {
-            const int lo_n = len - p, hi_n = len - p - 16;
-            const __mmask16 lo_here = lo_n >= 16 ? 0xFFFF : (__mmask16)((1u << lo_n) - 1);
-            const __mmask16 hi_here = hi_n >= 16 ? 0xFFFF : hi_n <= 0 ? 0
-                                                                   : (__mmask16)((1u << hi_n) - 1);
-            __m512 first = _mm512_maskz_loadu_ps(lo_here, e + g * len + p);
-            __m512 second = _mm512_maskz_loadu_ps(hi_here, e + g * len + p + 16);
+            __m512 first = _mm512_maskz_loadu_ps(first_lanes(len - p), e + g * len + p);
+            __m512 second = _mm512_maskz_loadu_ps(first_lanes(len - p - 16),
+                                                  e + g * len + p + 16);
             __m512bh hi = _mm512_cvtne2ps_pbh(second, first);
             __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_sub_ps(second, bf16_half(hi, 1)),
                                               _mm512_sub_ps(first, bf16_half(hi, 0)));

@@ -36,6 +36,11 @@ static inline __m256 exp8(__m256 x) {
 }
 
 #ifdef __AVX512F__
+/* The first n of 16 lanes (none for n <= 0, all for n >= 16): a row's tail. */
+static inline __mmask16 first_lanes(int n) {
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
 static inline __m512 exp16(__m512 x) {
     __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_FLOOR), _CMP_LT_OQ);
     x = _mm512_max_ps(x, _mm512_set1_ps(EXP_FLOOR));

@@ -13,6 +13,11 @@
 #include <stdlib.h>
 
 #include "kernels.h"
+
+/* uint32 words a head's bf16 pairs of `len` softmax numerators take, a 64-byte
+   store at a time (attention_avx512.h's bf16_pairs) */
+static inline int pair_stride(int len) { return (len + 31) / 32 * 16; }
+
 #ifdef __AVX512BF16__
 #include "attention_avx512.h"
 #endif
@@ -145,14 +150,14 @@ static float exps(float *x, int len) {
 #ifdef __AVX512F__
     __m512 tops = _mm512_set1_ps(-INFINITY);
     for (; p < len; p += 16) {
-        const __mmask16 here = len - p >= 16 ? 0xFFFF : (__mmask16)((1u << (len - p)) - 1);
+        const __mmask16 here = first_lanes(len - p);
         tops = _mm512_mask_max_ps(tops, here, tops, _mm512_maskz_loadu_ps(here, x + p));
     }
     top = _mm512_reduce_max_ps(tops);
     p = 0;
     __m512 max16 = _mm512_set1_ps(top), sum16 = _mm512_setzero_ps();
     for (; p < len; p += 16) {  /* the tail in masked lanes */
-        const __mmask16 here = len - p >= 16 ? 0xFFFF : (__mmask16)((1u << (len - p)) - 1);
+        const __mmask16 here = first_lanes(len - p);
         __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(here, x + p), max16));
         e = _mm512_maskz_mov_ps(here, e);
         _mm512_mask_storeu_ps(x + p, here, e);
@@ -245,7 +250,7 @@ void paged_decode(const void *q, int64_t q_stride, const void *k, int64_t k_stri
                 /* on the stack up to 2048 positions (64 KB at a group of 3) */
                 const int on_heap = len > 2048, room = on_heap ? len : 2048;
                 const size_t pointers = 2 * (size_t)room;
-                const size_t pair_words = 6 * (size_t)((room + 31) / 32 * 16);
+                const size_t pair_words = 6 * (size_t)pair_stride(room);  /* hi, lo: 3 heads */
                 const size_t floats = (size_t)group * (room + 2 * dim) + pair_words;
                 const void *stack_pointers[on_heap ? 1 : pointers];
                 float stack_floats[on_heap ? 1 : floats];
