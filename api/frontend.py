@@ -132,13 +132,13 @@ class Frontend:
             while True:
                 event = await state.events.get()
                 if event is EXPIRED:
-                    raise RequestTimeout(f"no answer within {timeout_s:g} s")
+                    raise TimeoutError
                 if isinstance(event, Failed):
                     raise error_from_code(event.code, event.detail)
                 yield event
                 if event.finish is not None:
                     return
-        except TimeoutError:
+        except TimeoutError:  # the submit's or the answer's
             raise RequestTimeout(f"no answer within {timeout_s:g} s") from None
         finally:
             expiry.cancel()
