@@ -57,6 +57,7 @@ class TorchMeta:
     decode_slots: torch.Tensor | None  # [num_decode, max_len]
     decode_bias: torch.Tensor | None  # [num_decode * kv_heads, group, max_len]: 0 or -inf
     prefills: list[PrefillPart]
+    sequence_rows: list[int]  # rows of each chunk in order: a sequence's rows attend together
 
 
 class TorchAttention:
@@ -96,7 +97,8 @@ class TorchAttention:
             prefills.append(self._prefill_part(plan.block_size, chunk.start, chunk.num_tokens,
                                                table, first, device))
             first += chunk.num_tokens
-        self.meta = TorchMeta(slots, num_decode, decode_slots, decode_bias, prefills)
+        self.meta = TorchMeta(slots, num_decode, decode_slots, decode_bias, prefills,
+                              [c.num_tokens for c in plan.chunks])
 
     @staticmethod
     def _query_tables(plan: StepPlan, tables: list[list[int]],

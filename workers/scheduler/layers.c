@@ -3,8 +3,12 @@
    rows otherwise spends about a third of its time in Python between its ~300
    kernel calls. The kernels come as pointers into their own libraries and are
    called in the order, and on the buffers, that model.LlamaModel._layers uses,
-   so the hidden states come out bit for bit the same. */
+   so the hidden states come out bit for bit the same; grouped (layers.row_groups),
+   each row's work is the same, so they come out the same again. */
 
+#include <immintrin.h>
+#include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -40,33 +44,115 @@ typedef struct {  /* the attention kernel's per-step arguments (paged.InPlace.pr
     const int32_t *lengths; int block_size;
 } Step;
 
-/* h [rows, hidden], the residual stream after the embedding, updated in place. */
+/* A step's buffers, [rows, ...] each, and their row widths in elements. */
+typedef struct { char *x, *qkv, *att, *delta, *gate_up, *act; } Buffers;
+
+static Buffers buffers(const Model *m, size_t rows) {
+    const size_t size = m->bf16 ? 2 : 4, nq = (size_t)m->heads * m->dim;
+    const size_t width = nq + 2 * (size_t)m->kv_heads * m->dim;
+    Buffers b = {malloc(size * rows * m->hidden), malloc(size * rows * width),
+                 malloc(size * rows * nq), malloc(size * rows * m->hidden),
+                 malloc(2 * size * rows * m->inter), malloc(size * rows * m->inter)};
+    return b;
+}
+
+static void free_buffers(Buffers b) {
+    free(b.x); free(b.qkv); free(b.att); free(b.delta); free(b.gate_up); free(b.act);
+}
+
+/* Layer l on rows [a, a + rows) of h, whose x holds the layer's normalized
+   input; leaves the next layer's there (after the last, only h += delta). */
+static void layer_rows(const Model *m, const Layer *layers, int num_layers, int l,
+                       const Step *s, int a, int rows, const int64_t *positions,
+                       const void *cos, const void *sin, void *h, Buffers b) {
+    const int nq = m->heads * m->dim, nkv = m->kv_heads * m->dim, width = nq + 2 * nkv;
+    const int bf16 = m->bf16;
+    const size_t size = bf16 ? 2 : 4, at = (size_t)a;
+    const Layer *L = layers + l;
+    char *x = b.x + size * at * m->hidden, *qkv = b.qkv + size * at * width;
+    char *att = b.att + size * at * nq, *delta = b.delta + size * at * m->hidden;
+    char *gate_up = b.gate_up + 2 * size * at * m->inter, *act = b.act + size * at * m->inter;
+    char *hr = (char *)h + size * at * m->hidden;
+    L->qkv.fn(x, rows, m->hidden, L->qkv.w, qkv, bf16, width);
+    m->rope(qkv, width, rows, m->heads + m->kv_heads, m->dim, positions + a, cos, sin, bf16);
+    /* each row its own query (a token sees its sequence up to itself) */
+    m->attend(qkv, width, qkv + size * nq, width, qkv + size * (nq + nkv), width, bf16,
+              rows, s->slots + a, rows, m->heads, m->kv_heads, m->dim, L->k_cache,
+              L->v_cache, m->cache_slots, s->tables + at * s->width, s->width,
+              s->lengths + a, s->block_size, m->scale, att);
+    L->o.fn(att, rows, nq, L->o.w, delta, bf16, m->hidden);
+    m->norm(hr, delta, L->post_norm, x, rows, m->hidden, m->eps, bf16);
+    L->gate_up.fn(x, rows, m->hidden, L->gate_up.w, gate_up, bf16, 2 * m->inter);
+    m->silu(gate_up, act, rows, m->inter, bf16);
+    L->down.fn(act, rows, m->inter, L->down.w, delta, bf16, m->hidden);
+    const void *next = l + 1 < num_layers ? layers[l + 1].input_norm : L->post_norm;
+    m->norm(hr, delta, next, x, rows, m->hidden, m->eps, bf16);
+}
+
+/* h [rows, hidden], the residual stream after the embedding, updated in place;
+   each kernel spreads its own work over the threads. */
 void decode_layers(const Model *m, const Layer *layers, int num_layers, const Step *s,
                    int rows, const int64_t *positions, const void *cos, const void *sin,
                    void *h) {
-    const int nq = m->heads * m->dim, nkv = m->kv_heads * m->dim, width = nq + 2 * nkv;
-    const int bf16 = m->bf16;
-    const size_t r = (size_t)rows, size = bf16 ? 2 : 4;
-    char *x = malloc(size * r * m->hidden), *qkv = malloc(size * r * width);
-    char *att = malloc(size * r * nq), *delta = malloc(size * r * m->hidden);
-    char *gate_up = malloc(2 * size * r * m->inter), *act = malloc(size * r * m->inter);
-    m->norm(h, NULL, layers[0].input_norm, x, rows, m->hidden, m->eps, bf16);
-    for (int l = 0; l < num_layers; l++) {
-        const Layer *L = layers + l;
-        L->qkv.fn(x, rows, m->hidden, L->qkv.w, qkv, bf16, width);
-        m->rope(qkv, width, rows, m->heads + m->kv_heads, m->dim, positions, cos, sin, bf16);
-        m->attend(qkv, width, qkv + size * nq, width, qkv + size * (nq + nkv), width, bf16,
-                  rows, s->slots, s->batch, m->heads, m->kv_heads, m->dim, L->k_cache,
-                  L->v_cache, m->cache_slots, s->tables, s->width, s->lengths, s->block_size,
-                  m->scale, att);
-        L->o.fn(att, rows, nq, L->o.w, delta, bf16, m->hidden);
-        m->norm(h, delta, L->post_norm, x, rows, m->hidden, m->eps, bf16);
-        L->gate_up.fn(x, rows, m->hidden, L->gate_up.w, gate_up, bf16, 2 * m->inter);
-        m->silu(gate_up, act, rows, m->inter, bf16);
-        L->down.fn(act, rows, m->inter, L->down.w, delta, bf16, m->hidden);
-        /* the next layer's norm; after the last, only h += delta (x is not used) */
-        const void *next = l + 1 < num_layers ? layers[l + 1].input_norm : L->post_norm;
-        m->norm(h, delta, next, x, rows, m->hidden, m->eps, bf16);
+    Buffers b = buffers(m, rows);
+    m->norm(h, NULL, layers[0].input_norm, b.x, rows, m->hidden, m->eps, m->bf16);
+    for (int l = 0; l < num_layers; l++)
+        layer_rows(m, layers, num_layers, l, s, 0, rows, positions, cos, sin, h, b);
+    free_buffers(b);
+}
+
+/* A group's progress: the next layer it needs, and whether a thread holds it. */
+typedef struct { _Atomic int next, busy; char pad[56]; } Progress;
+
+/* As decode_layers, on groups of rows that attend apart (whole sequences:
+   starts[g] to starts[g + 1]), each its own chain of layers: a thread takes
+   the free group furthest behind, runs one layer on it with every kernel on
+   this thread alone, and lets it go. No thread waits for another between
+   layers, so one the OS preempts holds up one group, not the step. */
+void decode_layers_grouped(const Model *m, const Layer *layers, int num_layers,
+                           const Step *s, int rows, const int64_t *positions, const void *cos,
+                           const void *sin, void *h, const int32_t *starts, int groups) {
+    Buffers b = buffers(m, rows);
+    Progress *progress = aligned_alloc(64, sizeof(Progress) * groups);
+    for (int g = 0; g < groups; g++) {
+        atomic_init(&progress[g].next, -1);  /* -1: its first norm */
+        atomic_init(&progress[g].busy, 0);
     }
-    free(x); free(qkv); free(att); free(delta); free(gate_up); free(act);
+    const int levels = omp_get_max_active_levels();
+    omp_set_max_active_levels(1);  /* the kernels' own regions: this thread alone */
+    #pragma omp parallel
+    for (;;) {
+        int pick = -1, behind = num_layers, left = 0;
+        for (int g = 0; g < groups; g++) {
+            const int next = atomic_load(&progress[g].next);
+            left += next < num_layers;
+            if (next < behind && !atomic_load(&progress[g].busy)) {
+                pick = g;
+                behind = next;
+            }
+        }
+        if (!left)
+            break;
+        int free_ = 0;
+        if (pick < 0 || !atomic_compare_exchange_strong(&progress[pick].busy, &free_, 1)) {
+            _mm_pause();
+            continue;
+        }
+        const int l = atomic_load(&progress[pick].next);  /* another may have run it since */
+        const int a = starts[pick], n = starts[pick + 1] - a;
+        if (l < num_layers) {
+            if (l < 0) {
+                const size_t at = (size_t)a * m->hidden * (m->bf16 ? 2 : 4);
+                m->norm((char *)h + at, NULL, layers[0].input_norm, b.x + at, n, m->hidden,
+                        m->eps, m->bf16);
+            } else {
+                layer_rows(m, layers, num_layers, l, s, a, n, positions, cos, sin, h, b);
+            }
+            atomic_store(&progress[pick].next, l + 1);
+        }
+        atomic_store(&progress[pick].busy, 0);
+    }
+    omp_set_max_active_levels(levels);
+    free(progress);
+    free_buffers(b);
 }

@@ -6,10 +6,14 @@
 # the in-place attention kernel. A step of a few rows otherwise spends about a
 # third of its time in Python between ~300 kernel calls. `Driver.build` says
 # None where that does not hold, and the forward pass stays in Python.
+# A step of many rows runs as groups of whole sequences, each group its own chain
+# of layers that one thread at a time advances (`row_groups`, layers.c's
+# decode_layers_grouped), so no thread waits for the other between kernels.
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 from functools import cache
 from pathlib import Path
 
@@ -44,6 +48,33 @@ class Step(ctypes.Structure):
                 ("lengths", P), ("block_size", ctypes.c_int)]
 
 
+# Steps of fewer rows run each kernel on both threads: grouped, every group reads
+# every weight, and at 16 rows (weights streamed) a decode step took 1.10-1.13x
+# the time, at 32 1.05x. At 64 rows it took 0.95-0.97x with the host quiet and
+# 0.92x beside a process busy 0.5 ms in every 3 (paired steps, AMD Zen 4).
+GROUPED_MIN_ROWS = 40
+MAX_GROUPS, MIN_GROUP_ROWS = 6, 10  # 6 groups at 64 rows: ~11 each, one tile of the matmuls
+
+
+def row_groups(sequence_rows: list[int], min_rows: int = GROUPED_MIN_ROWS) -> list[int] | None:
+    """Where groups of whole sequences start (then the step's row count), near
+    equal in rows; None where the step is too small to group, or one sequence
+    holds over half its rows (a long prompt: its rows attend to each other)."""
+    rows = sum(sequence_rows)
+    groups = min(MAX_GROUPS, rows // MIN_GROUP_ROWS)
+    if rows < min_rows or groups < 2 or max(sequence_rows) * 2 > rows:
+        return None
+    starts, first, last = [], 0, -1
+    for n in sequence_rows:  # a sequence joins the group its middle row falls in
+        group = min(groups - 1, int((first + n / 2) * groups / rows))
+        if group != last:
+            starts.append(first)
+            last = group
+        first += n
+    starts.append(rows)
+    return starts if max(b - a for a, b in itertools.pairwise(starts)) * 2 <= rows else None
+
+
 def address(function) -> int:
     return ctypes.cast(function, ctypes.c_void_p).value
 
@@ -70,10 +101,13 @@ def kernels_of(linear: Dense, dtype: torch.dtype) -> list[tuple[int, int, int]]:
 
 
 class Driver:
-    """`regimes`: (rows up to, the layers' kernels for them), fewest rows first."""
+    """`regimes`: (rows up to, the layers' kernels for them), fewest rows first.
+    `grouped_min_rows`: the fewest rows a step runs grouped."""
 
-    def __init__(self, lib: ctypes.CDLL, model, attention, regimes: list[tuple[int, ctypes.Array]]):
+    def __init__(self, lib: ctypes.CDLL, model, attention, regimes: list[tuple[int, ctypes.Array]],
+                 grouped_min_rows: int = GROUPED_MIN_ROWS):
         self.run, self.attention, self.regimes = lib.decode_layers, attention, regimes
+        self.run_grouped, self.grouped_min_rows = lib.decode_layers_grouped, grouped_min_rows
         self.max_rows = regimes[-1][0]
         self.cos, self.sin = model.cos, model.sin
         ops, spec, kernel = model.ops, model.spec, attention.kernel
@@ -121,8 +155,13 @@ class Driver:
         layers = next(layers for bound, layers in self.regimes if rows <= bound)
         slots, batch, tables, width, lengths, block_size = self.attention.kernel.step_args
         step = Step(slots, batch, tables, width, lengths, block_size)
-        self.run(ctypes.byref(self.model), layers, len(layers), ctypes.byref(step), rows,
-                 positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), h.data_ptr())
+        args = (ctypes.byref(self.model), layers, len(layers), ctypes.byref(step), rows,
+                positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), h.data_ptr())
+        starts = row_groups(self.attention.meta.sequence_rows, self.grouped_min_rows)
+        if starts is None:
+            self.run(*args)
+        else:
+            self.run_grouped(*args, (ctypes.c_int32 * len(starts))(*starts), len(starts) - 1)
 
 
 @cache
@@ -130,7 +169,8 @@ def load() -> ctypes.CDLL | None:
     if fused.load() is None or paged.load() is None:
         return None
     I32 = native.I32
-    return native.load(SOURCE, {"decode_layers": [P, P, I32, P, I32, P, P, P, P]})
+    return native.load(SOURCE, {"decode_layers": [P, P, I32, P, I32, P, P, P, P],
+                                "decode_layers_grouped": [P, P, I32, P, I32, P, P, P, P, P, I32]})
 
 
 def build() -> Path:
