@@ -13,7 +13,7 @@ import torch
 from pipeline.config import SchedulerConfig
 from pipeline.messages import Sampling
 from workers.scheduler.engine import Engine, EngineRequest
-from workers.scheduler.layers import GROUPED_MIN_ROWS, Driver, row_groups
+from workers.scheduler.layers import Driver, row_groups
 
 
 def all_logits(engine: Engine, plan) -> torch.Tensor:
@@ -99,20 +99,23 @@ def test_a_prefill_of_many_rows_runs_in_one_call_where_int8_serves_every_row(mod
 
 
 def test_row_groups_keep_sequences_whole_and_near_equal():
-    assert row_groups([1] * 64) == [0, 11, 21, 32, 43, 53, 64]
-    assert row_groups([1] * 48) == [0, 12, 24, 36, 48]
+    assert row_groups([1] * 64, threads=2) == [0, 11, 21, 32, 43, 53, 64]  # 3 a thread
+    assert row_groups([1] * 48, threads=2) == [0, 12, 24, 36, 48]  # 10 rows a group at least
+    assert row_groups([1] * 39, threads=2) is None  # under 2 groups a thread
+    assert row_groups([1] * 64, threads=1) is None and row_groups([1] * 64, threads=4) is None
+    assert len(row_groups([1] * 512, threads=4)) == 13
     prefill = [30, 1, 1, 40, 25, 28, 33, 20, 9, 50]  # a mixed step: every cut between sequences
-    starts = row_groups(prefill)
+    starts = row_groups(prefill, threads=2)
     assert set(starts) <= {0, *itertools.accumulate(prefill)} and starts[-1] == sum(prefill)
     assert max(b - a for a, b in itertools.pairwise(starts)) <= 2 * sum(prefill) / 6
-    assert row_groups([1] * (GROUPED_MIN_ROWS - 1)) is None  # too few rows to group
-    assert row_groups([300, 100, 112]) is None  # one long prompt: its rows attend together
-    assert row_groups([1] * 30, min_rows=0) == [0, 10, 20, 30]
+    assert row_groups([300, 100, 112], threads=2) is None  # a long prompt's rows attend together
 
 
 def test_grouped_steps_give_the_python_forwards_logits(model_files):
     """A decode step of 48 rows and a prefill of 5 prompts, each run as groups of
     whole sequences on their own chains of layers: the same logits, bit for bit."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: steps are not grouped")
     engine = make_engine(model_files, "bfloat16", max_batch_tokens=400)
     sampling = Sampling(max_tokens=2, temperature=0.0, ignore_eos=True)
     for i in range(48):
@@ -120,16 +123,15 @@ def test_grouped_steps_give_the_python_forwards_logits(model_files):
     plans = [engine.batcher.schedule()]  # the prefill of all 48
     assert_driver_matches_python(engine, plans[0])
     plans.append(engine.batcher.schedule())  # then a decode step of 48 rows
-    assert plans[1].num_tokens == 48 and row_groups([1] * 48) is not None
+    assert plans[1].num_tokens == 48 and row_groups([1] * 48, torch.get_num_threads())
     assert_driver_matches_python(engine, plans[1])
-    engine.model.driver.grouped_min_rows = 0  # a prefill of 5 prompts as 5 groups
-    for i in range(5):
+    for i in range(5):  # a prefill of 5 prompts as 5 groups
         engine.add(EngineRequest(f"p{i}", [3 + i] * (30 + i), [], sampling))
     while engine.batcher.running:
         engine.step()
     plan = engine.batcher.schedule()
     assert [c.num_tokens for c in plan.chunks] == [30, 31, 32, 33, 34]
-    assert row_groups([30, 31, 32, 33, 34], min_rows=0) is not None
+    assert row_groups([30, 31, 32, 33, 34], torch.get_num_threads()) is not None
     assert_driver_matches_python(engine, plan)
 
 

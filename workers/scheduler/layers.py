@@ -48,21 +48,21 @@ class Step(ctypes.Structure):
                 ("lengths", P), ("block_size", ctypes.c_int)]
 
 
-# Steps of fewer rows run each kernel on both threads: grouped, every group reads
-# every weight, and at 16 rows (weights streamed) a decode step took 1.10-1.13x
-# the time, at 32 1.05x. At 64 rows it took 0.95-0.97x with the host quiet and
-# 0.92x beside a process busy 0.5 ms in every 3 (paired steps, AMD Zen 4).
-GROUPED_MIN_ROWS = 40
-MAX_GROUPS, MIN_GROUP_ROWS = 6, 10  # 6 groups at 64 rows: ~11 each, one tile of the matmuls
+# Groups of MIN_GROUP_ROWS rows or more (one tile of the int8 matmuls each), 2 to 3
+# a thread: fewer rows run each kernel on every thread. Grouped, every group reads
+# every weight; on 2 cores (AMD Zen 4, paired steps) a decode step took 1.10-1.13x
+# the time at 16 rows (weights streamed), 1.05x at 32, 0.97-1.0x at 48, and at 64
+# 0.95-0.97x with the host quiet, 0.92x beside a process busy 0.5 ms in every 3.
+MIN_GROUP_ROWS, MIN_GROUPS, MAX_GROUPS = 10, 2, 3  # the last two per thread
 
 
-def row_groups(sequence_rows: list[int], min_rows: int = GROUPED_MIN_ROWS) -> list[int] | None:
+def row_groups(sequence_rows: list[int], threads: int) -> list[int] | None:
     """Where groups of whole sequences start (then the step's row count), near
-    equal in rows; None where the step is too small to group, or one sequence
-    holds over half its rows (a long prompt: its rows attend to each other)."""
+    equal in rows; None where the step has too few rows to group, or one
+    sequence holds over half of them (a long prompt: its rows attend together)."""
     rows = sum(sequence_rows)
-    groups = min(MAX_GROUPS, rows // MIN_GROUP_ROWS)
-    if rows < min_rows or groups < 2 or max(sequence_rows) * 2 > rows:
+    groups = min(MAX_GROUPS * threads, rows // MIN_GROUP_ROWS)
+    if threads < 2 or groups < MIN_GROUPS * threads or max(sequence_rows) * 2 > rows:
         return None
     starts, first, last = [], 0, -1
     for n in sequence_rows:  # a sequence joins the group its middle row falls in
@@ -101,13 +101,11 @@ def kernels_of(linear: Dense, dtype: torch.dtype) -> list[tuple[int, int, int]]:
 
 
 class Driver:
-    """`regimes`: (rows up to, the layers' kernels for them), fewest rows first.
-    `grouped_min_rows`: the fewest rows a step runs grouped."""
+    """`regimes`: (rows up to, the layers' kernels for them), fewest rows first."""
 
-    def __init__(self, lib: ctypes.CDLL, model, attention, regimes: list[tuple[int, ctypes.Array]],
-                 grouped_min_rows: int = GROUPED_MIN_ROWS):
+    def __init__(self, lib: ctypes.CDLL, model, attention, regimes: list[tuple[int, ctypes.Array]]):
         self.run, self.attention, self.regimes = lib.decode_layers, attention, regimes
-        self.run_grouped, self.grouped_min_rows = lib.decode_layers_grouped, grouped_min_rows
+        self.run_grouped = lib.decode_layers_grouped
         self.max_rows = regimes[-1][0]
         self.cos, self.sin = model.cos, model.sin
         ops, spec, kernel = model.ops, model.spec, attention.kernel
@@ -157,7 +155,7 @@ class Driver:
         step = Step(slots, batch, tables, width, lengths, block_size)
         args = (ctypes.byref(self.model), layers, len(layers), ctypes.byref(step), rows,
                 positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), h.data_ptr())
-        starts = row_groups(self.attention.meta.sequence_rows, self.grouped_min_rows)
+        starts = row_groups(self.attention.meta.sequence_rows, torch.get_num_threads())
         if starts is None:
             self.run(*args)
         else:
