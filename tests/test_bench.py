@@ -105,14 +105,14 @@ def test_prompts_are_reproducible_and_differ_from_their_first_words():
 
 
 def test_serving_bench_levels_share_no_prompt_opening():
-    """No level (nor the warm-up) reuses another's prompts: our prefix cache
-    would serve their first blocks, and transformers has none."""
+    """No level in any round (nor the warm-up) reuses another's prompts: our
+    prefix cache would serve their first blocks, and transformers has none."""
     path = Path(__file__).resolve().parent.parent / "bench" / "serving_bench.py"
     spec = importlib.util.spec_from_file_location("serving_bench", path)
     sb = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sb)
-    runs = [make_prompts(n, sb.PROMPT_WORDS, sb.level_seed(level))
-            for level, n in sb.LEVELS.items()]
+    runs = [make_prompts(n, sb.PROMPT_WORDS, sb.level_seed(level, round_))
+            for level, n in sb.LEVELS.items() for round_ in range(sb.ROUNDS)]
     runs.append(make_prompts(4, sb.PROMPT_WORDS, sb.SEED + 99))
     openings = [tuple(prompt.split()[:3]) for run in runs for prompt in run]
     assert len(set(openings)) == len(openings)
