@@ -34,7 +34,9 @@ class Served:
             )
 
 
-def served(request: Request) -> Served:
+async def served(request: Request) -> Served:
+    """Async so that FastAPI calls it on the event loop: a plain function
+    dependency runs in its thread pool, a thread hop for every request."""
     return request.app.state.served
 
 
