@@ -106,6 +106,7 @@ class Driver:
     def __init__(self, lib: ctypes.CDLL, model, attention, regimes: list[tuple[int, ctypes.Array]]):
         self.run, self.attention, self.regimes = lib.decode_layers, attention, regimes
         self.run_grouped = lib.decode_layers_grouped
+        self.grouped = True  # False: every step layer by layer (bench/grouped_steps.py)
         self.max_rows = regimes[-1][0]
         self.cos, self.sin = model.cos, model.sin
         ops, spec, kernel = model.ops, model.spec, attention.kernel
@@ -155,7 +156,8 @@ class Driver:
         step = Step(slots, batch, tables, width, lengths, block_size)
         args = (ctypes.byref(self.model), layers, len(layers), ctypes.byref(step), rows,
                 positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), h.data_ptr())
-        starts = row_groups(self.attention.meta.sequence_rows, torch.get_num_threads())
+        starts = (row_groups(self.attention.meta.sequence_rows, torch.get_num_threads())
+                  if self.grouped else None)
         if starts is None:
             self.run(*args)
         else:
