@@ -47,8 +47,7 @@ def one_round(engine: Engine, tokenizer: Tokenizer, rows: int, seed: int,
     for i, prompt in enumerate(make_prompts(rows, 24, seed)):
         engine.add(EngineRequest(f"{seed}-{i}", tokenizer.encode(prompt), [], sampling))
     prefill: dict[str, list[float]] = {"grouped": [], "layers": []}
-    while engine.batcher.waiting or any(s.num_computed < s.num_prompt_tokens
-                                        for s in engine.batcher.running):
+    while engine.batcher.waiting or not all(s.is_decoding for s in engine.batcher.running):
         timed_step(engine, prefill)
     busy = None if burst is None else subprocess.Popen(
         [sys.executable, "-c", BUSY, str(burst[0]), str(burst[1])])

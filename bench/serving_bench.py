@@ -317,9 +317,9 @@ def main() -> None:
             print(f"round {round_ + 1} of {ROUNDS}", flush=True)
             for level in LEVELS:
                 ours[level].append(measure_ours(base_url, level, round_))
-                given = {theirs[level][0]["dtype"]: None} if round_ else models
+                dtypes = [theirs[level][0]["dtype"]] if round_ else list(models)
                 theirs[level].append(measure_transformers(
-                    {dtype: models[dtype] for dtype in given}, level, round_))
+                    {dtype: models[dtype] for dtype in dtypes}, level, round_))
     finally:
         stop_server(proc)
     record = build_record(ours, theirs)

@@ -39,12 +39,13 @@ typedef struct {
     int64_t cache_slots;
     int bf16;  /* activations, weights of the norms, rope tables and KV cache: else fp32 */
 } Model;
-typedef struct {  /* the attention kernel's per-step arguments (paged.InPlace.prepare) */
-    const int64_t *slots; int batch; const int32_t *tables; int width;
+typedef struct {  /* the attention kernel's per-step arguments (paged.InPlace.prepare);
+                    every row is a query row of its own, so their count is the step's rows */
+    const int64_t *slots; const int32_t *tables; int width;
     const int32_t *lengths; int block_size;
 } Step;
 
-/* A step's buffers, [rows, ...] each, and their row widths in elements. */
+/* A step's scratch buffers, [rows, ...] each; a group uses its own rows of them. */
 typedef struct { char *x, *qkv, *att, *delta, *gate_up, *act; } Buffers;
 
 static Buffers buffers(const Model *m, size_t rows) {
@@ -58,6 +59,14 @@ static Buffers buffers(const Model *m, size_t rows) {
 
 static void free_buffers(Buffers b) {
     free(b.x); free(b.qkv); free(b.att); free(b.delta); free(b.gate_up); free(b.act);
+}
+
+/* The first layer's normalized input of rows [a, a + rows) of h, into x. */
+static void input_norm_rows(const Model *m, const Layer *layers, int a, int rows, void *h,
+                            Buffers b) {
+    const size_t at = (size_t)a * m->hidden * (m->bf16 ? 2 : 4);
+    m->norm((char *)h + at, NULL, layers[0].input_norm, b.x + at, rows, m->hidden, m->eps,
+            m->bf16);
 }
 
 /* Layer l on rows [a, a + rows) of h, whose x holds the layer's normalized
@@ -95,7 +104,7 @@ void decode_layers(const Model *m, const Layer *layers, int num_layers, const St
                    int rows, const int64_t *positions, const void *cos, const void *sin,
                    void *h) {
     Buffers b = buffers(m, rows);
-    m->norm(h, NULL, layers[0].input_norm, b.x, rows, m->hidden, m->eps, m->bf16);
+    input_norm_rows(m, layers, 0, rows, h, b);
     for (int l = 0; l < num_layers; l++)
         layer_rows(m, layers, num_layers, l, s, 0, rows, positions, cos, sin, h, b);
     free_buffers(b);
@@ -141,13 +150,10 @@ void decode_layers_grouped(const Model *m, const Layer *layers, int num_layers,
         const int l = atomic_load(&progress[pick].next);  /* another may have run it since */
         const int a = starts[pick], n = starts[pick + 1] - a;
         if (l < num_layers) {
-            if (l < 0) {
-                const size_t at = (size_t)a * m->hidden * (m->bf16 ? 2 : 4);
-                m->norm((char *)h + at, NULL, layers[0].input_norm, b.x + at, n, m->hidden,
-                        m->eps, m->bf16);
-            } else {
+            if (l < 0)
+                input_norm_rows(m, layers, a, n, h, b);
+            else
                 layer_rows(m, layers, num_layers, l, s, a, n, positions, cos, sin, h, b);
-            }
             atomic_store(&progress[pick].next, l + 1);
         }
         atomic_store(&progress[pick].busy, 0);

@@ -44,8 +44,8 @@ class Model(ctypes.Structure):
 
 
 class Step(ctypes.Structure):
-    _fields_ = [("slots", P), ("batch", ctypes.c_int), ("tables", P), ("width", ctypes.c_int),
-                ("lengths", P), ("block_size", ctypes.c_int)]
+    _fields_ = [("slots", P), ("tables", P), ("width", ctypes.c_int), ("lengths", P),
+                ("block_size", ctypes.c_int)]
 
 
 # Groups of MIN_GROUP_ROWS rows or more (one tile of the int8 matmuls each), 2 to 3
@@ -152,8 +152,8 @@ class Driver:
         the attention's step arguments are this step's (attention.prepare)."""
         rows = h.shape[0]
         layers = next(layers for bound, layers in self.regimes if rows <= bound)
-        slots, batch, tables, width, lengths, block_size = self.attention.kernel.step_args
-        step = Step(slots, batch, tables, width, lengths, block_size)
+        slots, _rows, tables, width, lengths, block_size = self.attention.kernel.step_args
+        step = Step(slots, tables, width, lengths, block_size)
         args = (ctypes.byref(self.model), layers, len(layers), ctypes.byref(step), rows,
                 positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), h.data_ptr())
         starts = (row_groups(self.attention.meta.sequence_rows, torch.get_num_threads())
