@@ -52,7 +52,7 @@ class Step(ctypes.Structure):
 # a thread: fewer rows run each kernel on every thread. Grouped, every group reads
 # every weight; on 2 cores (AMD Zen 4, paired steps) a decode step took 1.10-1.14x
 # the time at 16 rows (weights streamed), 1.04-1.06x at 32, 0.97-1.03x at 48, and at
-# 64 0.95-0.97x with the host quiet, 0.92x beside a process busy 0.5 ms in every 3.
+# 64 0.95-1.0x with the host quiet, 0.92-0.95x beside a process busy 0.5 ms in every 3.
 MIN_GROUP_ROWS, MIN_GROUPS, MAX_GROUPS = 10, 2, 3  # the last two per thread
 
 
