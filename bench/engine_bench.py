@@ -1,12 +1,15 @@
 # Offline throughput of the scheduler's engine against transformers `generate`
 # (static batch, same prompts, greedy, ignore_eos) at several batch sizes;
-# prints tok/s, ratios, and per-token decode latency at batch 1.
+# prints tok/s, ratios, and per-token decode latency at batch 1. On CUDA it
+# also runs the engine with every step eager (no CUDA graphs), batch by batch
+# beside the graphed one.
 
 from __future__ import annotations
 
 import argparse
 import random
 import time
+from dataclasses import replace
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -45,14 +48,17 @@ def run_engine(engine: Engine, prompts: list[list[int]], num_new: int) -> tuple[
 def run_transformers(model, prompts: list[list[int]], num_new: int,
                      pad_id: int) -> tuple[float, float]:
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                        device=model.device)
     times = []
     for num in (1, num_new):  # time to first token, then the whole run
         start = time.perf_counter()
         with torch.inference_mode():
             model.generate(ids, attention_mask=mask, max_new_tokens=num, min_new_tokens=num,
                            do_sample=False, pad_token_id=pad_id)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return times[1], times[0]
 
@@ -66,22 +72,41 @@ def main() -> None:
     parser.add_argument("--hf-dtype", default="auto",
                         help="auto: bfloat16 on a CPU with a bf16 matmul, else float32")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct",
+                        help="a local HF directory, or the default model")
     args = parser.parse_args()
-    if args.hf_dtype == "auto":
-        args.hf_dtype = "bfloat16" if cpu_has_bf16() else "float32"
-    path = resolve_model("SmolLM2-135M-Instruct").path
+    path = resolve_model(args.model).path
     tokenizer = AutoTokenizer.from_pretrained(path)
-    engine = Engine(path, SchedulerConfig(dtype=args.dtype, activations=args.activations,
-                                          max_running_requests=64))
+    config = SchedulerConfig(dtype=args.dtype, activations=args.activations,
+                             max_running_requests=64, device=args.device)
+    engine = Engine(path, config)
+    cuda = engine.device.type == "cuda"
+    if args.hf_dtype == "auto":
+        args.hf_dtype = (str(engine.dtype).removeprefix("torch.") if cuda
+                         else "bfloat16" if cpu_has_bf16() else "float32")
+    eager = Engine(path, replace(config, cuda_graph_max_batch=0)) if engine.graphs else None
     hf = None if args.skip_hf else AutoModelForCausalLM.from_pretrained(
-        path, dtype=getattr(torch, args.hf_dtype))
-    print(f"engine dtype {engine.dtype}, {engine.kernels}, transformers dtype {args.hf_dtype}, "
-          f"threads {torch.get_num_threads()}, {args.num_new} new tokens")
-    run_engine(engine, make_prompts(tokenizer, 4), 8)  # warm up
+        path, dtype=getattr(torch, args.hf_dtype)).to(engine.device)
+    print(f"engine dtype {engine.dtype} on {engine.device}, {engine.kernels}, transformers "
+          f"dtype {args.hf_dtype}, threads {torch.get_num_threads()}, {args.num_new} new tokens")
+    for warming in (engine, eager):
+        if warming is not None:
+            run_engine(warming, make_prompts(tokenizer, 4), 8)
+    if hf is not None:
+        run_transformers(hf, make_prompts(tokenizer, 4), 8, 2)
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = make_prompts(tokenizer, batch)
+        if eager is not None:
+            plain, plain_first = run_engine(eager, prompts, args.num_new)
+            report("eager engine", batch, args.num_new, plain, plain_first)
         ours, ours_first = run_engine(engine, prompts, args.num_new)
         report("engine", batch, args.num_new, ours, ours_first)
+        if eager is not None:
+            step = (decode_ms(ours, ours_first, args.num_new)
+                    / decode_ms(plain, plain_first, args.num_new))
+            print(f"  batch {batch}: CUDA graphs' throughput ratio {plain / ours:.2f}x, "
+                  f"per-token time ratio {step:.3f}")
         if hf is not None:
             theirs, theirs_first = run_transformers(hf, prompts, args.num_new, 2)
             report("transformers", batch, args.num_new, theirs, theirs_first)

@@ -53,6 +53,8 @@ Activations = Annotated[str, _opt("ACTIVATIONS", "auto | exact | int8: what a 4-
                                  "fastest kernel on this CPU).")]
 Device = Annotated[str, _opt("DEVICE", "auto | cpu | cuda.")]
 Threads = Annotated[int | None, _opt("NUM_THREADS", "torch threads per scheduler.")]
+CudaGraphs = Annotated[int, _opt("CUDA_GRAPH_MAX_BATCH", "On CUDA with flashinfer, decode steps "
+                                 "of up to this many requests replay CUDA graphs; 0: off.")]
 Timeout = Annotated[float, _opt("REQUEST_TIMEOUT", "Seconds before a request is abandoned.")]
 MaxQueued = Annotated[int, _opt("MAX_QUEUED_REQUESTS", "In-flight requests per api before 503.")]
 WorkerId = Annotated[str | None, typer.Option("--id", envvar="PIPELINE_WORKER_ID",
@@ -65,7 +67,7 @@ LogLevel = Annotated[str, _opt("LOG_LEVEL", "debug | info | warning | error.")]
 def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: int,
                  api_key: str | None, max_running_requests: int, max_batch_tokens: int,
                  kv_cache_mb: int, dtype: str, quantization: str, activations: str, device: str,
-                 num_threads: int | None,
+                 num_threads: int | None, cuda_graph_max_batch: int,
                  request_timeout: float, max_queued_requests: int,
                  alive_ttl_s: float) -> Config:
     return Config(
@@ -77,7 +79,8 @@ def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: in
         scheduler=SchedulerConfig(max_running_requests=max_running_requests,
                                   max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb,
                                   dtype=dtype, quantization=quantization,
-                                  activations=activations, device=device, num_threads=num_threads),
+                                  activations=activations, device=device, num_threads=num_threads,
+                                  cuda_graph_max_batch=cuda_graph_max_batch),
     )
 
 
@@ -93,6 +96,7 @@ def child_env(config: Config, redis_url: str, log_level: str, api_workers: int) 
         "QUANTIZATION": config.scheduler.quantization,
         "ACTIVATIONS": config.scheduler.activations,
         "DEVICE": config.scheduler.device, "NUM_THREADS": config.scheduler.num_threads,
+        "CUDA_GRAPH_MAX_BATCH": config.scheduler.cuda_graph_max_batch,
         "REQUEST_TIMEOUT": config.api.request_timeout_s,
         "MAX_QUEUED_REQUESTS": config.api.max_queued_requests, "LOG_LEVEL": log_level,
         "ALIVE_TTL_S": config.redis.alive_ttl_s,
@@ -115,7 +119,7 @@ def serve(
     api_key: ApiKey = None, max_running_requests: MaxRunning = 64,
     max_batch_tokens: MaxBatchTokens = 512, kv_cache_mb: KvCacheMb = 512, dtype: Dtype = "auto",
     quantization: Quantization = "auto", activations: Activations = "auto",
-    device: Device = "auto", num_threads: Threads = None,
+    device: Device = "auto", num_threads: Threads = None, cuda_graph_max_batch: CudaGraphs = 256,
     request_timeout: Timeout = 600.0,
     max_queued_requests: MaxQueued = 1024, alive_ttl_s: AliveTtl = 5.0,
     log_level: LogLevel = "info",
@@ -135,7 +139,8 @@ def serve(
         api_key=api_key, max_running_requests=max_running_requests,
         max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb, dtype=dtype,
         quantization=quantization, activations=activations, device=device,
-        num_threads=num_threads, request_timeout=request_timeout,
+        num_threads=num_threads, cuda_graph_max_batch=cuda_graph_max_batch,
+        request_timeout=request_timeout,
         max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s)
     counts = {"api": api_workers, "scheduler": schedulers, "detokenizer": detokenizers}
     raise typer.Exit(serve_forever(config, counts, lambda url: child_env(config, url, log_level,
@@ -152,7 +157,7 @@ def worker(
     api_key: ApiKey = None, max_running_requests: MaxRunning = 64,
     max_batch_tokens: MaxBatchTokens = 512, kv_cache_mb: KvCacheMb = 512, dtype: Dtype = "auto",
     quantization: Quantization = "auto", activations: Activations = "auto",
-    device: Device = "auto", num_threads: Threads = None,
+    device: Device = "auto", num_threads: Threads = None, cuda_graph_max_batch: CudaGraphs = 256,
     request_timeout: Timeout = 600.0,
     max_queued_requests: MaxQueued = 1024, alive_ttl_s: AliveTtl = 5.0,
     log_level: LogLevel = "info",
@@ -166,7 +171,8 @@ def worker(
         host=host, port=port, api_key=api_key, max_running_requests=max_running_requests,
         max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb, dtype=dtype,
         quantization=quantization, activations=activations, device=device,
-        num_threads=num_threads, request_timeout=request_timeout,
+        num_threads=num_threads, cuda_graph_max_batch=cuda_graph_max_batch,
+        request_timeout=request_timeout,
         max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s)
     config = _with_worker_id(config, role, worker_id)
     run_role(role.value, config, api_workers=api_workers)

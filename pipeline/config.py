@@ -51,6 +51,9 @@ class SchedulerConfig:
     activations: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     attention_backend: str = "auto"  # auto | torch | flashinfer
+    # decode steps of up to this many sequences replay CUDA graphs (flashinfer on
+    # CUDA; capped by max_running_requests); 0: every step runs eagerly
+    cuda_graph_max_batch: int = 256
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
 
 

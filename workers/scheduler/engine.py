@@ -24,6 +24,7 @@ from workers.scheduler.attention import (
 from workers.scheduler.batcher import Batcher, StepPlan
 from workers.scheduler.blocks import BlockAllocator
 from workers.scheduler.calibrate import choose_kernels, cpu_has_bf16, faster_cpu_dtype
+from workers.scheduler.cuda_graphs import DecodeGraphs
 from workers.scheduler.layers import Driver
 from workers.scheduler.model import LlamaModel, read_spec
 from workers.scheduler.sampler import Sampled, Sampler
@@ -93,6 +94,14 @@ def resolve_quantization(name: str, device: torch.device, dtype_name: str,
     return name
 
 
+def graph_batch_size(config: SchedulerConfig, device: torch.device, backend: str) -> int:
+    """The largest decode batch replayed from a CUDA graph; 0: none (off, not
+    CUDA, or not flashinfer, whose fixed-buffer decode the graphs capture)."""
+    if device.type != "cuda" or backend != "flashinfer":
+        return 0
+    return max(0, min(config.cuda_graph_max_batch, config.max_running_requests))
+
+
 class Engine:
     def __init__(self, model_path: Path, config: SchedulerConfig):
         self.config = config
@@ -117,18 +126,22 @@ class Engine:
         per_block = bytes_per_block(spec.num_layers, config.block_size, spec.num_kv_heads,
                                     spec.head_dim, kv_dtype(backend, self.dtype, self.device))
         num_blocks = config.kv_cache_mb * 2**20 // per_block
-        if num_blocks < 2:
+        graph_batch = graph_batch_size(config, self.device, backend)
+        usable = num_blocks - (1 if graph_batch else 0)  # graphs' padding rows write to one
+        if usable < 2:
             raise ConfigError(f"kv_cache_mb={config.kv_cache_mb} holds under two KV blocks")
         self.cache = make_cache(backend, spec.num_layers, num_blocks, config.block_size,
                                 spec.num_kv_heads, spec.head_dim, self.dtype, self.device)
         self.attention = make_backend(backend, self.cache, spec, self.device)
         self.model.driver = Driver.build(self.model, self.attention)
-        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        self.graphs = (DecodeGraphs(self.model, self.attention, graph_batch, scratch_block=usable)
+                       if graph_batch else None)
+        self.allocator = BlockAllocator(usable, config.block_size)
         self.batcher = Batcher(self.allocator, config.max_running_requests,
                                config.max_batch_tokens)
         self.sampler = Sampler()
         self.eos_token_ids = spec.eos_token_ids
-        self.max_context = min(spec.max_position, num_blocks * config.block_size)
+        self.max_context = min(spec.max_position, usable * config.block_size)
         self.arrivals = itertools.count()
         self.done_on_arrival: list[StepResult] = []  # nothing left to generate
 
@@ -178,15 +191,22 @@ class Engine:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> Sampled:
         tables = [self.allocator.block_table(c.seq.request_id) for c in plan.chunks]
+        if self.graphs is not None and self.graphs.takes(plan):
+            logits = self.graphs.run(plan, tables)
+        else:
+            logits = self.forward(plan, tables)
+        return self.sampler(logits, [c.seq for c in plan.chunks if c.samples])
+
+    def forward(self, plan: StepPlan, tables: list[list[int]]) -> torch.Tensor:
+        """The step run eagerly: logits of the chunks that sample."""
         self.attention.prepare(plan, tables, self.device)
         ends = itertools.accumulate(c.num_tokens for c in plan.chunks)
         rows = [end - 1 for end, c in zip(ends, plan.chunks, strict=True) if c.samples]
         device = self.device
-        logits = self.model.forward(
+        return self.model.forward(
             torch.tensor(plan.input_ids(), dtype=torch.long, device=device),
             torch.tensor(plan.positions(), dtype=torch.long, device=device),
             torch.tensor(rows, dtype=torch.long, device=device), self.attention)
-        return self.sampler(logits, [c.seq for c in plan.chunks if c.samples])
 
     def postprocess(self, plan: StepPlan, sampled: Sampled) -> list[StepResult]:
         results = []
