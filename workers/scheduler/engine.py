@@ -134,8 +134,7 @@ class Engine:
                                 spec.num_kv_heads, spec.head_dim, self.dtype, self.device)
         self.attention = make_backend(backend, self.cache, spec, self.device)
         self.model.driver = Driver.build(self.model, self.attention)
-        self.graphs = (DecodeGraphs(self.model, self.attention, graph_batch, scratch_block=usable)
-                       if graph_batch else None)
+        self.graphs = self._capture(graph_batch, usable) if graph_batch else None
         self.allocator = BlockAllocator(usable, config.block_size)
         self.batcher = Batcher(self.allocator, config.max_running_requests,
                                config.max_batch_tokens)
@@ -144,6 +143,14 @@ class Engine:
         self.max_context = min(spec.max_position, usable * config.block_size)
         self.arrivals = itertools.count()
         self.done_on_arrival: list[StepResult] = []  # nothing left to generate
+
+    def _capture(self, max_batch: int, scratch_block: int) -> DecodeGraphs:
+        try:
+            return DecodeGraphs(self.model, self.attention, max_batch, scratch_block)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as error:
+            raise ConfigError(f"capturing CUDA graphs for decode batches of up to {max_batch} "
+                              f"failed ({error}); --cuda-graph-max-batch 0 runs every step "
+                              "eagerly") from error
 
     def can_admit(self) -> int:
         batcher = self.batcher
