@@ -25,8 +25,8 @@ from pipeline.bench import (
     bench_command,
     make_prompts,
     run_bench,
-    sse_data,
 )
+from pipeline.sse_client import sse_data
 
 NUM_CHUNKS = 5
 TOKENS_PER_CHUNK = 2  # what the peer's usage claims, so usage and chunk counts differ
@@ -52,8 +52,24 @@ async def peer_chunks(is_chat: bool, with_usage: bool):
     yield sse("[DONE]")
 
 
+async def peer_awkward(model: str):
+    """"split": each event's bytes in three writes; "cut": the connection drops
+    mid-stream; "hang": nothing for longer than any test's timeout."""
+    if model == "hang":
+        await asyncio.sleep(30)
+    for index in range(NUM_CHUNKS):
+        event = sse({"object": "chunk", "choices": [{"index": 0, "text": f"w{index}"}]})
+        if model == "cut" and index == 2:
+            raise RuntimeError("the peer dies mid-stream")
+        for piece in (event[:3], event[3:-1], event[-1:]):
+            yield piece
+            await asyncio.sleep(0.01)
+    yield sse("[DONE]")
+
+
 def peer_app() -> FastAPI:
-    """Model "peer" reports usage; "no-usage" does not; "flaky" fails every other request."""
+    """Model "peer" reports usage; "no-usage" does not; "flaky" fails every other
+    request; "split", "cut" and "hang" stream awkwardly (peer_awkward)."""
     app = FastAPI()
     numbers = itertools.count()
 
@@ -63,6 +79,8 @@ def peer_app() -> FastAPI:
 
     async def generate(request: Request, is_chat: bool):
         body = await request.json()
+        if body["model"] in ("split", "cut", "hang"):
+            return StreamingResponse(peer_awkward(body["model"]), media_type="text/event-stream")
         if body["model"] == "flaky" and next(numbers) % 2 == 1:
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
         with_usage = body["model"] != "no-usage" and body["stream_options"]["include_usage"]
@@ -151,6 +169,24 @@ def test_bench_counts_server_errors_as_failed_requests(peer_url):
     assert (summary["completed"], summary["failed"]) == (3, 3)
     assert summary["total_output_tokens"] == 3 * NUM_CHUNKS * TOKENS_PER_CHUNK
     assert any(error.startswith("HTTP 500") for error in summary["errors"])
+
+
+def test_events_split_across_reads_are_each_counted_once(peer_url):
+    summary = run_bench(BenchOptions(base_url=peer_url, num_requests=2, model="split"))
+    assert (summary["completed"], summary["failed"]) == (2, 0)
+    assert summary["total_output_tokens"] == 2 * NUM_CHUNKS
+
+
+def test_a_stream_cut_short_or_stalled_past_the_timeout_is_a_failure(peer_url):
+    cut = run_bench(BenchOptions(base_url=peer_url, num_requests=2, model="cut"))
+    assert (cut["completed"], cut["failed"]) == (0, 2)
+    assert any("ConnectionError" in error for error in cut["errors"]), cut["errors"]
+    started = time.monotonic()
+    hung = run_bench(BenchOptions(base_url=peer_url, num_requests=2, model="hang",
+                                  timeout_s=0.5))
+    assert (hung["completed"], hung["failed"]) == (0, 2)
+    assert any("TimeoutError" in error for error in hung["errors"]), hung["errors"]
+    assert time.monotonic() - started < 5
 
 
 def test_bench_counts_an_unreachable_server_as_failures_not_a_crash():
