@@ -3,8 +3,9 @@ response parsed by httptools (uvicorn's parser) inside an asyncio Protocol, and
 each server-sent event's data handed to a callback as its bytes arrive, with no
 task switch per event. A load generator shares the machine with the server it
 measures: against `pipeline serve` at concurrency 64 on 2 cores, aiohttp's
-stream reader took 30-40 us of CPU per event and this 19-29, and the server
-finished the same work 1.08x as fast beside it (median of 6 paired runs)."""
+stream reader took 31-37 us of CPU per event and this 19-24, and the server
+finished the same work 1.035x as fast beside it (median of 6 paired runs,
+0.97-1.06x)."""
 
 from __future__ import annotations
 
