@@ -130,8 +130,8 @@ def record_chunk(result: RequestResult, chunk: dict, started: float, last: float
     return now
 
 
-async def stream_one(url: str, body: dict, headers: dict[str, str],
-                     timeout_s: float) -> RequestResult:
+async def stream_one(client: sse_client.Client, url: str, body: dict,
+                     headers: dict[str, str], timeout_s: float) -> RequestResult:
     result = RequestResult()
     started = last = time.perf_counter()
 
@@ -143,9 +143,9 @@ async def stream_one(url: str, body: dict, headers: dict[str, str],
         return False
 
     try:
-        await sse_client.request("POST", url, body=msgspec.json.encode(body),
-                                 headers=headers | {"Content-Type": "application/json"},
-                                 on_event=on_event, timeout_s=timeout_s)
+        await client.request("POST", url, body=msgspec.json.encode(body),
+                             headers=headers | {"Content-Type": "application/json"},
+                             on_event=on_event, timeout_s=timeout_s)
     except sse_client.HttpError as error:
         result.error = str(error)
         return result
@@ -156,19 +156,18 @@ async def stream_one(url: str, body: dict, headers: dict[str, str],
     return result
 
 
-async def send_one(url: str, body: dict, headers: dict[str, str], timeout_s: float,
-                   gate: asyncio.Semaphore) -> RequestResult:
+async def send_one(client: sse_client.Client, url: str, body: dict, headers: dict[str, str],
+                   timeout_s: float, gate: asyncio.Semaphore) -> RequestResult:
     try:
         async with gate:
-            return await stream_one(url, body, headers, timeout_s)
+            return await stream_one(client, url, body, headers, timeout_s)
     except Exception as error:  # a benchmark counts failures; it does not stop for them
         return RequestResult(error=f"{type(error).__name__}: {error}")
 
 
-async def first_model(root: str, headers: dict[str, str]) -> str:
+async def first_model(client: sse_client.Client, root: str, headers: dict[str, str]) -> str:
     try:
-        reply = await sse_client.request("GET", f"{root}/models", headers=headers,
-                                         timeout_s=30.0)
+        reply = await client.request("GET", f"{root}/models", headers=headers, timeout_s=30.0)
         return msgspec.json.decode(reply)["data"][0]["id"]
     except (OSError, sse_client.HttpError, ValueError, KeyError, IndexError) as error:
         raise ConfigError(f"no model given and GET /v1/models failed: {error}") from error
@@ -180,17 +179,21 @@ async def run_bench_async(options: BenchOptions) -> dict:
     gate = asyncio.Semaphore(options.concurrency or options.num_requests)
     headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
     root = api_root(options.base_url)
-    model = options.model or await first_model(root, headers)
-    started = time.perf_counter()
-    tasks = []
-    for prompt in prompts:
-        path, body = request_body(options, model, prompt)
-        tasks.append(asyncio.create_task(
-            send_one(root + path, body, headers, options.timeout_s, gate)))
-        if math.isfinite(options.request_rate):
-            await asyncio.sleep(arrivals.expovariate(options.request_rate))
-    results = await asyncio.gather(*tasks)
-    duration_s = time.perf_counter() - started
+    client = sse_client.Client()
+    try:
+        model = options.model or await first_model(client, root, headers)
+        started = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            path, body = request_body(options, model, prompt)
+            tasks.append(asyncio.create_task(
+                send_one(client, root + path, body, headers, options.timeout_s, gate)))
+            if math.isfinite(options.request_rate):
+                await asyncio.sleep(arrivals.expovariate(options.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration_s = time.perf_counter() - started
+    finally:
+        client.close()
     return summarize(options, model, results, duration_s)
 
 

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from typer.testing import CliRunner
 
+from pipeline import sse_client
 from pipeline.bench import (
     BenchOptions,
     Endpoint,
@@ -33,6 +34,8 @@ TOKENS_PER_CHUNK = 2  # what the peer's usage claims, so usage and chunk counts 
 FIRST_DELAY_S = 0.2
 GAP_S = 0.05
 PROMPT_TOKENS = 7
+BODY = {"model": "peer", "prompt": "hi", "stream": True,
+        "stream_options": {"include_usage": True}}
 
 
 def sse(payload: dict | str) -> str:
@@ -72,12 +75,14 @@ def peer_app() -> FastAPI:
     request; "split", "cut" and "hang" stream awkwardly (peer_awkward)."""
     app = FastAPI()
     numbers = itertools.count()
+    app.state.clients = []  # (host, port) of each request: which connection carried it
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": "peer", "object": "model"}]}
 
     async def generate(request: Request, is_chat: bool):
+        app.state.clients.append((request.client.host, request.client.port))
         body = await request.json()
         if body["model"] in ("split", "cut", "hang"):
             return StreamingResponse(peer_awkward(body["model"]), media_type="text/event-stream")
@@ -98,11 +103,10 @@ def peer_app() -> FastAPI:
     return app
 
 
-@pytest.fixture(scope="module")
-def peer_url():
+def serve_peer(app: FastAPI, **config):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(peer_app(), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **config))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -112,6 +116,16 @@ def peer_url():
     server.should_exit = True
     thread.join(timeout=5)
     sock.close()
+
+
+@pytest.fixture(scope="module")
+def peer_app_():
+    return peer_app()
+
+
+@pytest.fixture(scope="module")
+def peer_url(peer_app_):
+    yield from serve_peer(peer_app_)
 
 
 def test_prompts_are_reproducible_and_differ_from_their_first_words():
@@ -187,6 +201,42 @@ def test_a_stream_cut_short_or_stalled_past_the_timeout_is_a_failure(peer_url):
     assert (hung["completed"], hung["failed"]) == (0, 2)
     assert any("TimeoutError" in error for error in hung["errors"]), hung["errors"]
     assert time.monotonic() - started < 5
+
+
+def test_requests_reuse_keep_alive_connections(peer_app_, peer_url):
+    peer_app_.state.clients.clear()
+    summary = run_bench(BenchOptions(base_url=peer_url, num_requests=8, concurrency=2))
+    assert summary["completed"] == 8
+    assert len(peer_app_.state.clients) == 8
+    assert len(set(peer_app_.state.clients)) <= 2  # one connection per stream in flight
+
+
+@pytest.fixture
+def brief_peer():
+    """A peer that closes a connection idle for 0.2 s."""
+    app = peer_app()
+    for url in serve_peer(app, timeout_keep_alive=0.2):
+        yield app, url
+
+
+def test_a_connection_the_server_dropped_while_idle_is_not_reused(brief_peer):
+    app, url = brief_peer
+
+    async def twice() -> None:
+        client = sse_client.Client()
+        try:
+            for _ in range(2):
+                await client.request("POST", f"{url}/v1/completions",
+                                     body=json.dumps(BODY).encode(),
+                                     headers={"Content-Type": "application/json"},
+                                     on_event=lambda data: data == b"[DONE]", timeout_s=10)
+                await asyncio.sleep(0.6)  # past the peer's keep-alive
+        finally:
+            client.close()
+
+    asyncio.run(twice())
+    assert len(app.state.clients) == 2
+    assert len(set(app.state.clients)) == 2  # the second request came on a new connection
 
 
 def test_bench_counts_an_unreachable_server_as_failures_not_a_crash():
