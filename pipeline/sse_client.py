@@ -139,7 +139,8 @@ class Client:
                 except ConnectionError:
                     if reused.received:  # the server answered something: no retry
                         raise
-                    # dropped while idle, before it read a byte of this request
+                    # no byte of an answer: most likely the server dropped the idle
+                    # connection as the request went out, so it runs once more
             return await self._exchange(await self._connect(key), message, on_event)
 
     async def _exchange(self, connection: _Connection, message: bytes,
