@@ -70,7 +70,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="the engine's dtype")
     parser.add_argument("--activations", default="auto", help="auto | exact | int8")
     parser.add_argument("--hf-dtype", default="auto",
-                        help="auto: bfloat16 on a CPU with a bf16 matmul, else float32")
+                        help="auto: the engine's on CUDA; on a CPU bfloat16 where it has "
+                        "a bf16 matmul, else float32")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     parser.add_argument("--model", default="SmolLM2-135M-Instruct",

@@ -131,7 +131,7 @@ def record_chunk(result: RequestResult, chunk: dict, started: float, last: float
 
 
 async def stream_one(client: sse_client.Client, url: str, body: dict,
-                     headers: dict[str, str], timeout_s: float) -> RequestResult:
+                     timeout_s: float) -> RequestResult:
     result = RequestResult()
     started = last = time.perf_counter()
 
@@ -144,7 +144,7 @@ async def stream_one(client: sse_client.Client, url: str, body: dict,
 
     try:
         await client.request("POST", url, body=msgspec.json.encode(body),
-                             headers=headers | {"Content-Type": "application/json"},
+                             headers={"Content-Type": "application/json"},
                              on_event=on_event, timeout_s=timeout_s)
     except sse_client.HttpError as error:
         result.error = str(error)
@@ -156,18 +156,18 @@ async def stream_one(client: sse_client.Client, url: str, body: dict,
     return result
 
 
-async def send_one(client: sse_client.Client, url: str, body: dict, headers: dict[str, str],
-                   timeout_s: float, gate: asyncio.Semaphore) -> RequestResult:
+async def send_one(client: sse_client.Client, url: str, body: dict, timeout_s: float,
+                   gate: asyncio.Semaphore) -> RequestResult:
     try:
         async with gate:
-            return await stream_one(client, url, body, headers, timeout_s)
+            return await stream_one(client, url, body, timeout_s)
     except Exception as error:  # a benchmark counts failures; it does not stop for them
         return RequestResult(error=f"{type(error).__name__}: {error}")
 
 
-async def first_model(client: sse_client.Client, root: str, headers: dict[str, str]) -> str:
+async def first_model(client: sse_client.Client, root: str) -> str:
     try:
-        reply = await client.request("GET", f"{root}/models", headers=headers, timeout_s=30.0)
+        reply = await client.request("GET", f"{root}/models", timeout_s=30.0)
         return msgspec.json.decode(reply)["data"][0]["id"]
     except (OSError, sse_client.HttpError, ValueError, KeyError, IndexError) as error:
         raise ConfigError(f"no model given and GET /v1/models failed: {error}") from error
@@ -179,15 +179,15 @@ async def run_bench_async(options: BenchOptions) -> dict:
     gate = asyncio.Semaphore(options.concurrency or options.num_requests)
     headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
     root = api_root(options.base_url)
-    client = sse_client.Client()
+    client = sse_client.Client(headers)
     try:
-        model = options.model or await first_model(client, root, headers)
+        model = options.model or await first_model(client, root)
         started = time.perf_counter()
         tasks = []
         for prompt in prompts:
             path, body = request_body(options, model, prompt)
             tasks.append(asyncio.create_task(
-                send_one(client, root + path, body, headers, options.timeout_s, gate)))
+                send_one(client, root + path, body, options.timeout_s, gate)))
             if math.isfinite(options.request_rate):
                 await asyncio.sleep(arrivals.expovariate(options.request_rate))
         results = await asyncio.gather(*tasks)

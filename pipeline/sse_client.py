@@ -47,13 +47,17 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.lost = False
-        self.done: asyncio.Future | None = None
         self.idle_since = 0.0
+        self._reset(None, None)
+
+    def _reset(self, on_event: Callable[[bytes], bool] | None,
+               done: asyncio.Future | None) -> None:
+        self.on_event, self.done = on_event, done
+        self.status, self.body, self.pending, self.received = 0, [], b"", False
 
     def exchange(self, message: bytes, on_event: Callable[[bytes], bool] | None,
                  done: asyncio.Future) -> None:
-        self.on_event, self.done = on_event, done
-        self.status, self.body, self.pending, self.received = 0, [], b"", False
+        self._reset(on_event, done)
         self.transport.write(message)
 
     def connection_made(self, transport: asyncio.Transport) -> None:
@@ -108,9 +112,11 @@ def _ignore(_data: bytes) -> bool:
 
 
 class Client:
-    """Keeps idle connections per host for reuse; close() closes every one."""
+    """Keeps idle connections per host for reuse; close() closes every one.
+    `headers` go with every request (Authorization, say)."""
 
-    def __init__(self):
+    def __init__(self, headers: dict[str, str] | None = None):
+        self.headers = headers or {}
         self.idle: dict[tuple[str, int, bool], list[_Connection]] = {}
         self.open: set[_Connection] = set()
 
@@ -129,7 +135,7 @@ class Client:
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         lines = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}",
                  f"Content-Length: {len(body)}"]
-        lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
+        lines += [f"{name}: {value}" for name, value in (self.headers | (headers or {})).items()]
         message = ("\r\n".join(lines) + "\r\n\r\n").encode() + body
         async with asyncio.timeout(timeout_s):
             reused = self._take(key)

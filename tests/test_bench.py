@@ -119,13 +119,13 @@ def serve_peer(app: FastAPI, **config):
 
 
 @pytest.fixture(scope="module")
-def peer_app_():
+def shared_peer():
     return peer_app()
 
 
 @pytest.fixture(scope="module")
-def peer_url(peer_app_):
-    yield from serve_peer(peer_app_)
+def peer_url(shared_peer):
+    yield from serve_peer(shared_peer)
 
 
 def test_prompts_are_reproducible_and_differ_from_their_first_words():
@@ -203,12 +203,12 @@ def test_a_stream_cut_short_or_stalled_past_the_timeout_is_a_failure(peer_url):
     assert time.monotonic() - started < 5
 
 
-def test_requests_reuse_keep_alive_connections(peer_app_, peer_url):
-    peer_app_.state.clients.clear()
+def test_requests_reuse_keep_alive_connections(shared_peer, peer_url):
+    shared_peer.state.clients.clear()
     summary = run_bench(BenchOptions(base_url=peer_url, num_requests=8, concurrency=2))
     assert summary["completed"] == 8
-    assert len(peer_app_.state.clients) == 8
-    assert len(set(peer_app_.state.clients)) <= 2  # one connection per stream in flight
+    assert len(shared_peer.state.clients) == 8
+    assert len(set(shared_peer.state.clients)) <= 2  # one connection per stream in flight
 
 
 @pytest.fixture

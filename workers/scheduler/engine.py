@@ -147,7 +147,7 @@ class Engine:
     def _capture(self, max_batch: int, scratch_block: int) -> DecodeGraphs:
         try:
             return DecodeGraphs(self.model, self.attention, max_batch, scratch_block)
-        except (RuntimeError, torch.cuda.OutOfMemoryError) as error:
+        except RuntimeError as error:  # torch.cuda.OutOfMemoryError is one too
             raise ConfigError(f"capturing CUDA graphs for decode batches of up to {max_batch} "
                               f"failed ({error}); --cuda-graph-max-batch 0 runs every step "
                               "eagerly") from error
