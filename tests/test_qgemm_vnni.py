@@ -82,13 +82,13 @@ def relative_error(mine: torch.Tensor, theirs: torch.Tensor) -> float:
 
 @each_library
 def test_kernels_sum_int8_activations_exactly(checkpoint, on):
-    """Every row-block shape (VNNI 1-12 rows, AVX2 1-4, blocks split evenly
-    past them), 4- and 8-bit, fp32 and bf16 answers."""
+    """Every row-block shape (VNNI 1-12 rows, 8-bit weights 1-16, AVX2 1-4,
+    blocks split evenly past them), 4- and 8-bit, fp32 and bf16 answers."""
     generator = torch.Generator().manual_seed(0)
     for weight, bits in weights(checkpoint):
         packed = blocks(weight, bits, False, on)
         exact = weight.double().t()
-        for rows in (1, 2, 3, 5, 6, 12, 13, 16, 25, 64):
+        for rows in (1, 2, 3, 5, 6, 12, 13, 15, 16, 25, 64):
             x = torch.randn(rows, weight.shape[1], generator=generator).bfloat16()
             x[0, :32] = 0.0  # a group of zeros: scale 0, no NaN
             out = qgemm_vnni.matmul(x.float(), packed)
