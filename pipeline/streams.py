@@ -78,6 +78,21 @@ def group_entries(reply) -> list[Entry]:
     return _entries(reply[0][1]) if reply else []
 
 
+def raw_group_entries(reply) -> list[Entry]:
+    """An XREADGROUP reply of one stream straight off the wire (RESP2 or
+    RESP3, no redis-py callback): entries' fields are flat [name, value, ...]."""
+    if not reply:
+        return []
+    entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
+    out = []
+    for entry_id, fields in entries:
+        if entry_id is None:
+            continue
+        values = dict(zip(fields[::2], fields[1::2], strict=True)) if fields else {}
+        out.append((entry_id.decode(), values.get(FIELD, b"")))
+    return out
+
+
 def read_entries(reply) -> list[tuple[str, list[Entry]]]:
     """An XREAD reply, as read returns it."""
     return [(key.decode(), _entries(raw)) for key, raw in reply or []]
@@ -115,22 +130,52 @@ class StreamClient:
         )
         return entry_id.decode()
 
-    async def add_and_ack(
+    async def add_ack_and_read(
         self, items: Sequence[tuple[str, object]], stream: str, group: str,
-        entry_ids: Sequence[str], *, nomkstream: bool = False, maxlen: int | None = None,
-    ) -> None:
+        entry_ids: Sequence[str], consumer: str, *, count: int, start: str = ">",
+        nomkstream: bool = False, maxlen: int | None = None,
+    ) -> list[Entry]:
         """A batch's worth of entries and the ack of what they answer, in one
-        round trip, one MULTI/EXEC: the ack never lands without them (a write
-        Redis refuses, out of memory, aborts it all)."""
-        if not items and not entry_ids:
-            return
-        async with self.redis.pipeline(transaction=True) as pipe:
+        MULTI/EXEC (the ack never lands without them: a write Redis refuses,
+        out of memory, aborts it all), then read_group (blocking for new
+        entries), in one write and one round trip: a worker that answers
+        entries as it reads them pays redis-py's per-call cost once a batch,
+        not twice (the detokenizer under load at 64 streams: ~0.45 ms of CPU
+        a call)."""
+        commands: list[tuple] = []
+        if items or entry_ids:
+            commands.append(("MULTI",))
             for key, message in items:
-                pipe.xadd(key, {FIELD: encode(message)}, maxlen=maxlen, approximate=True,
-                          nomkstream=nomkstream)
+                trim = ("MAXLEN", "~", maxlen) if maxlen is not None else ()
+                commands.append(("XADD", key, *(("NOMKSTREAM",) if nomkstream else ()), *trim,
+                                 "*", FIELD, encode(message)))
             if entry_ids:
-                pipe.xack(stream, group, *entry_ids)
-            await pipe.execute()
+                commands.append(("XACK", stream, group, *entry_ids))
+            commands.append(("EXEC",))
+        block = ("BLOCK", self.block_ms) if start == ">" else ()
+        commands.append(("XREADGROUP", "GROUP", group, consumer, "COUNT", count, *block,
+                         "STREAMS", stream, start))
+        replies = await self._in_one_write(commands)
+        if len(commands) > 1:
+            failed = [r for r in replies[-2] or [] if isinstance(r, ResponseError)]
+            if replies[-2] is None or failed:  # nil: the transaction was discarded
+                raise failed[0] if failed else ResponseError("EXEC discarded the batch")
+        return raw_group_entries(replies[-1])
+
+    async def _in_one_write(self, commands: list[tuple]) -> list:
+        """The commands' raw replies, in order; an error reply is raised. A
+        connection left with replies unread (an error, a cancel) is closed,
+        never reused out of step."""
+        pool = self.redis.connection_pool
+        connection = await pool.get_connection()
+        try:
+            await connection.send_packed_command(connection.pack_commands(commands))
+            return [await connection.read_response() for _ in commands]
+        except BaseException:
+            await connection.disconnect()
+            raise
+        finally:
+            await pool.release(connection)
 
     async def read_group(
         self, stream: str, group: str, consumer: str, *, count: int, wait: bool = True,

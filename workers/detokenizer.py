@@ -52,6 +52,9 @@ class Detokenizer:
         self.start = "0"  # own pending entries first (a restart under the same id), then new
         self.num_batches = 0
         self.next_upkeep = 0.0
+        # the last batches' replies, and their entries to ack, sent with the next read
+        self.outbox: list[tuple[str, ReplyBatch]] = []
+        self.answered: list[str] = []
 
     async def join(self) -> None:
         await self.client.ensure_group(self.keys.tokens, DETOKENIZERS)
@@ -75,14 +78,19 @@ class Detokenizer:
         await trim_below_pending(self.client, self.keys.tokens)
 
     async def step(self) -> None:
+        """Send the last batches' replies, acked with them (one MULTI/EXEC: a
+        crash before they are written must redeliver), and read the next
+        batches, in one round trip; then answer those."""
+        entries = await self.reader.add_ack_and_read(
+            self.outbox, self.keys.tokens, DETOKENIZERS, self.answered, self.worker_id,
+            count=64, start=self.start, nomkstream=True, maxlen=10_000)
+        self.num_batches += len(self.answered)
+        self.outbox, self.answered = [], []
         if time.monotonic() >= self.next_upkeep:
             await self.upkeep()
-        entries = await self.reader.read_group(self.keys.tokens, DETOKENIZERS, self.worker_id,
-                                               count=64, start=self.start)
         if self.start == "0" and not entries:
             self.start = ">"
             return
-        replies: list[tuple[str, ReplyBatch]] = []
         for entry_id, raw in entries:
             try:
                 batch = tokens_decoder.decode(raw)
@@ -90,11 +98,8 @@ class Detokenizer:
                 await self.client.dead_letter(self.keys.tokens, entry_id, raw, str(error),
                                               self.keys.dead_letters)
                 continue
-            replies.extend(replies_for(self.tokenizer, batch).items())
-        # acked with the replies, never before: a crash before they are written must redeliver
-        await self.client.add_and_ack(replies, self.keys.tokens, DETOKENIZERS,
-                                      [e for e, _ in entries], nomkstream=True, maxlen=10_000)
-        self.num_batches += len(entries)
+            self.outbox.extend(replies_for(self.tokenizer, batch).items())
+        self.answered = [entry_id for entry_id, _ in entries]
 
 
 async def run(config: Config, model: ModelFiles) -> None:

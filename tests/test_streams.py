@@ -1,0 +1,66 @@
+"""StreamClient's one-round-trip answer-and-read against the machine's Redis."""
+
+from __future__ import annotations
+
+import pytest
+from redis.exceptions import ResponseError
+
+from pipeline.messages import FIELD, Delta, ReplyBatch, replies_decoder
+from pipeline.streams import StreamClient
+
+
+@pytest.fixture
+async def client(redis_url):
+    client = StreamClient(redis_url, block_ms=50)
+    yield client
+    await client.close()
+
+
+def batch(offset: int) -> ReplyBatch:
+    return ReplyBatch(deltas=[Delta("r", offset, [offset], str(offset), None, None, 0)],
+                      failures=[])
+
+
+async def test_answers_are_written_and_acked_with_the_next_read(client, prefix):
+    source, reply = f"{prefix}:source", f"{prefix}:reply"
+    await client.ensure_group(source, "g")
+    await client.redis.xadd(reply, {"hello": "x"})
+    first = [(await client.redis.xadd(source, {FIELD: b"one"})).decode()]
+    read = await client.add_ack_and_read([], source, "g", [], "c", count=10)
+    assert read == [(first[0], b"one")]
+    second = (await client.redis.xadd(source, {FIELD: b"two"})).decode()
+    read = await client.add_ack_and_read([(reply, batch(0))], source, "g", first, "c",
+                                         count=10, nomkstream=True, maxlen=100)
+    assert read == [(second, b"two")]
+    written = await client.redis.xrange(reply)
+    assert replies_decoder.decode(written[-1][1][FIELD]) == batch(0)
+    pending = await client.redis.xpending(source, "g")
+    assert pending["pending"] == 1  # the first acked with its answer; the second not yet
+
+
+async def test_own_pending_entries_are_read_again_from_zero_without_blocking(client, prefix):
+    source = f"{prefix}:source"
+    await client.ensure_group(source, "g")
+    ids = [(await client.redis.xadd(source, {FIELD: bytes([i])})).decode() for i in range(3)]
+    await client.add_ack_and_read([], source, "g", [], "c", count=10)  # all three pending
+    again = await client.add_ack_and_read([], source, "g", ids[:1], "c", count=10, start="0")
+    assert [entry_id for entry_id, _ in again] == ids[1:]
+    assert await client.add_ack_and_read([], source, "g", [], "c", count=10) == []  # blocked 50 ms
+
+
+async def test_an_error_reply_is_raised_and_the_client_goes_on(client, prefix):
+    source, wrong = f"{prefix}:source", f"{prefix}:not-a-stream"
+    await client.ensure_group(source, "g")
+    await client.redis.set(wrong, "a string, so XADD fails inside the transaction")
+    entry = (await client.redis.xadd(source, {FIELD: b"one"})).decode()
+    await client.add_ack_and_read([], source, "g", [], "c", count=10)
+    with pytest.raises(ResponseError, match="WRONGTYPE"):
+        await client.add_ack_and_read([(wrong, batch(0))], source, "g", [entry], "c", count=10)
+    # the connection it was read on was dropped, not reused with replies unread
+    assert await client.redis.ping()
+    with pytest.raises(ResponseError, match="NOGROUP"):
+        await client.add_ack_and_read([], f"{prefix}:no-such", "g", [], "c", count=10)
+    later = (await client.redis.xadd(source, {FIELD: b"two"})).decode()
+    assert await client.add_ack_and_read([], source, "g", [entry], "c", count=10) == [
+        (later, b"two")]
+
