@@ -64,38 +64,39 @@ Entry = tuple[str, bytes]  # (entry id, message bytes; b"" when malformed or tri
 
 
 def _entries(raw: Sequence) -> list[Entry]:
+    """Entries as redis-py parses them ({name: value} fields) or as they come
+    off the wire (flat [name, value, ...])."""
     out = []
     for entry_id, fields in raw:
         if entry_id is None:  # Redis 6.2 reports a trimmed pending entry as nil
             continue
+        if isinstance(fields, list):
+            fields = dict(zip(fields[::2], fields[1::2], strict=True))
         entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
         out.append((entry_id, (fields or {}).get(FIELD, b"")))
     return out
 
 
+def _streams(reply) -> list:
+    """[(stream, entries)] of an XREAD or XREADGROUP reply (RESP3 off the wire: a map)."""
+    return list(reply.items()) if isinstance(reply, dict) else reply or []
+
+
 def group_entries(reply) -> list[Entry]:
-    """An XREADGROUP reply of one stream, as read_group returns it."""
-    return _entries(reply[0][1]) if reply else []
-
-
-def raw_group_entries(reply) -> list[Entry]:
-    """An XREADGROUP reply of one stream straight off the wire (RESP2 or
-    RESP3, no redis-py callback): entries' fields are flat [name, value, ...]."""
-    if not reply:
-        return []
-    entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
-    out = []
-    for entry_id, fields in entries:
-        if entry_id is None:
-            continue
-        values = dict(zip(fields[::2], fields[1::2], strict=True)) if fields else {}
-        out.append((entry_id.decode(), values.get(FIELD, b"")))
-    return out
+    """An XREADGROUP reply of one stream, parsed by redis-py or raw."""
+    return _entries(_streams(reply)[0][1]) if reply else []
 
 
 def read_entries(reply) -> list[tuple[str, list[Entry]]]:
-    """An XREAD reply, as read returns it."""
-    return [(key.decode(), _entries(raw)) for key, raw in reply or []]
+    """An XREAD reply, parsed by redis-py or raw."""
+    return [(key.decode(), _entries(raw)) for key, raw in _streams(reply)]
+
+
+def xadd(stream: str, message, *, maxlen: int | None = None, nomkstream: bool = False) -> tuple:
+    """The XADD of one message, as a command for StreamClient.transaction."""
+    trim = ("MAXLEN", "~", maxlen) if maxlen is not None else ()
+    return ("XADD", stream, *(("NOMKSTREAM",) if nomkstream else ()), *trim, "*", FIELD,
+            encode(message))
 
 
 class StreamClient:
@@ -138,44 +139,47 @@ class StreamClient:
         """A batch's worth of entries and the ack of what they answer, in one
         MULTI/EXEC (the ack never lands without them: a write Redis refuses,
         out of memory, aborts it all), then read_group (blocking for new
-        entries), in one write and one round trip: a worker that answers
-        entries as it reads them pays redis-py's per-call cost once a batch,
-        not twice (the detokenizer under load at 64 streams: ~0.45 ms of CPU
-        a call)."""
-        commands: list[tuple] = []
-        if items or entry_ids:
-            commands.append(("MULTI",))
-            for key, message in items:
-                trim = ("MAXLEN", "~", maxlen) if maxlen is not None else ()
-                commands.append(("XADD", key, *(("NOMKSTREAM",) if nomkstream else ()), *trim,
-                                 "*", FIELD, encode(message)))
-            if entry_ids:
-                commands.append(("XACK", stream, group, *entry_ids))
-            commands.append(("EXEC",))
+        entries), in one round trip: a worker that answers entries as it
+        reads them pays for one command a batch, not two (the detokenizer
+        under load at 64 streams: ~0.45 ms of CPU a redis-py call)."""
+        writes = [xadd(key, message, maxlen=maxlen, nomkstream=nomkstream)
+                  for key, message in items]
+        if entry_ids:
+            writes.append(("XACK", stream, group, *entry_ids))
         block = ("BLOCK", self.block_ms) if start == ">" else ()
-        commands.append(("XREADGROUP", "GROUP", group, consumer, "COUNT", count, *block,
-                         "STREAMS", stream, start))
-        replies = await self._in_one_write(commands)
-        if len(commands) > 1:
-            failed = [r for r in replies[-2] or [] if isinstance(r, ResponseError)]
-            if replies[-2] is None or failed:  # nil: the transaction was discarded
-                raise failed[0] if failed else ResponseError("EXEC discarded the batch")
-        return raw_group_entries(replies[-1])
+        _, read = await self.transaction(writes, then=(
+            "XREADGROUP", "GROUP", group, consumer, "COUNT", count, *block, "STREAMS", stream,
+            start))
+        return group_entries(read)
 
-    async def _in_one_write(self, commands: list[tuple]) -> list:
-        """The commands' raw replies, in order; an error reply is raised. A
-        connection left with replies unread (an error, a cancel) is closed,
+    async def transaction(self, commands: Sequence[tuple], then: tuple | None = None
+                          ) -> tuple[list, object]:
+        """`commands` in one MULTI/EXEC and then `then` (which may block, as
+        nothing in a transaction does), in one write and one round trip,
+        without redis-py's per-command work (a pipeline of four: 94 us of CPU
+        against 146). Their raw replies; the first error among them is raised.
+        A connection left with replies unread (an error, a cancel) is closed,
         never reused out of step."""
+        wire = [("MULTI",), *commands, ("EXEC",)] if commands else []
+        if then is not None:
+            wire.append(then)
         pool = self.redis.connection_pool
         connection = await pool.get_connection()
         try:
-            await connection.send_packed_command(connection.pack_commands(commands))
-            return [await connection.read_response() for _ in commands]
+            await connection.send_packed_command(connection.pack_commands(wire))
+            replies = [await connection.read_response() for _ in wire]
         except BaseException:
             await connection.disconnect()
             raise
         finally:
             await pool.release(connection)
+        results = replies[len(commands) + 1] if commands else []
+        if results is None:  # nil: Redis discarded the transaction
+            raise ResponseError("EXEC discarded the transaction")
+        for result in results:
+            if isinstance(result, ResponseError):
+                raise result
+        return results, replies[-1] if then is not None else None
 
     async def read_group(
         self, stream: str, group: str, consumer: str, *, count: int, wait: bool = True,

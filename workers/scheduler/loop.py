@@ -15,7 +15,6 @@ import msgspec
 from pipeline.config import Config
 from pipeline.errors import RETRY, InvalidRequest, PipelineError, RequestTimeout
 from pipeline.messages import (
-    FIELD,
     Cancel,
     Failed,
     FrontendGone,
@@ -23,7 +22,6 @@ from pipeline.messages import (
     Submit,
     TokenBatch,
     control_decoder,
-    encode,
     requests_decoder,
 )
 from pipeline.models import ModelFiles
@@ -43,6 +41,7 @@ from pipeline.streams import (
     StreamClient,
     group_entries,
     read_entries,
+    xadd,
 )
 from pipeline.tokenizer import Tokenizer
 from pipeline.worker import forever, heartbeat_forever, new_worker_id, retrying
@@ -118,10 +117,10 @@ class Scheduler:
         await self.take(*fetched)
 
     async def exchange(self, room: int) -> tuple[list, list]:
-        """One round trip (on this 2-core host each command costs ~0.1 ms of
-        redis-py): what earlier steps produced and failures since, oldest
-        first; acks; control entries; without waiting, up to `room` new
-        requests. One MULTI/EXEC: an entry is acked only with the tokens it
+        """One round trip, in one write (StreamClient.transaction, past
+        redis-py's per-command work): what earlier steps produced and
+        failures since, oldest first; acks; control entries; without
+        waiting, up to `room` new requests. One MULTI/EXEC: an entry is acked only with the tokens it
         waited for (a crash before they are on TOKENS must redeliver it; a
         write Redis refuses, out of memory, aborts it all). A batch stays
         queued until Redis took it (a lost reply means a duplicate the
@@ -130,16 +129,14 @@ class Scheduler:
             failures, self.failures = self.failures, []
             self.unsent.append(TokenBatch(self.worker_id, [], failures))
         sending, acks = len(self.unsent), list(self.to_ack)
-        async with self.client.redis.pipeline(transaction=True) as pipe:
-            for batch in self.unsent:
-                pipe.xadd(self.keys.tokens, {FIELD: encode(batch)})
-            if acks:
-                pipe.xack(self.keys.requests, SCHEDULERS, *acks)
-            pipe.xread({self.keys.control: self.control_id}, count=512)
-            if room > 0:
-                pipe.xreadgroup(SCHEDULERS, self.worker_id, {self.keys.requests: ">"},
-                                count=room)
-            replies = await pipe.execute()
+        commands = [xadd(self.keys.tokens, batch) for batch in self.unsent]
+        if acks:
+            commands.append(("XACK", self.keys.requests, SCHEDULERS, *acks))
+        commands.append(("XREAD", "COUNT", 512, "STREAMS", self.keys.control, self.control_id))
+        if room > 0:
+            commands.append(("XREADGROUP", "GROUP", SCHEDULERS, self.worker_id, "COUNT", room,
+                             "STREAMS", self.keys.requests, ">"))
+        replies, _ = await self.client.transaction(commands)
         del self.unsent[:sending]
         self.to_ack = self.to_ack[len(acks):]
         reads = replies[sending + bool(acks):]
