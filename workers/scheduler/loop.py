@@ -120,11 +120,11 @@ class Scheduler:
         """One round trip, in one write (StreamClient.transaction, past
         redis-py's per-command work): what earlier steps produced and
         failures since, oldest first; acks; control entries; without
-        waiting, up to `room` new requests. One MULTI/EXEC: an entry is acked only with the tokens it
-        waited for (a crash before they are on TOKENS must redeliver it; a
-        write Redis refuses, out of memory, aborts it all). A batch stays
-        queued until Redis took it (a lost reply means a duplicate the
-        frontend drops)."""
+        waiting, up to `room` new requests. One MULTI/EXEC: an entry is
+        acked only with the tokens it waited for (a crash before they are on
+        TOKENS must redeliver it; a write Redis refuses, out of memory,
+        aborts it all). A batch stays queued until Redis took it (a lost
+        reply means a duplicate the frontend drops)."""
         if self.failures:
             failures, self.failures = self.failures, []
             self.unsent.append(TokenBatch(self.worker_id, [], failures))
