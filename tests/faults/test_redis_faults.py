@@ -6,6 +6,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+from redis.exceptions import ResponseError
+
+from pipeline.messages import FIELD, Delta, ReplyBatch
+from pipeline.streams import StreamClient
 from tests.faults.clients import prompts, report, stream_many
 
 
@@ -55,3 +60,33 @@ def test_a_redis_restart_that_lost_everything_is_survived_by_resubmission(own_re
     # and the tier still serves new work afterwards
     again = asyncio.run(stream_many(url, texts[:4], 8))
     assert all(o.finish == "length" for o in again)
+
+
+def test_a_batch_redis_refuses_for_memory_acks_nothing(own_redis7):
+    """Replies and the ack of what they answer go in one MULTI/EXEC: when
+    Redis refuses the writes (out of memory), the entry stays pending, so it
+    is answered again once Redis has room, and nothing is lost."""
+    async def main():
+        client = StreamClient(own_redis7.url, block_ms=50)
+        try:
+            await client.ensure_group("tokens", "g")
+            await client.redis.xadd("replies", {"hello": "x"})
+            entry = (await client.redis.xadd("tokens", {FIELD: b"batch"})).decode()
+            assert await client.add_ack_and_read([], "tokens", "g", [], "c", count=10) == [
+                (entry, b"batch")]
+            reply = ReplyBatch(deltas=[Delta("r", 0, [1], "a", None, None, 0)], failures=[])
+            await client.redis.config_set("maxmemory", 1)  # every write refused
+            with pytest.raises(ResponseError, match="maxmemory"):
+                await client.add_ack_and_read([("replies", reply)], "tokens", "g", [entry], "c",
+                                              count=10, nomkstream=True)
+            await client.redis.config_set("maxmemory", 0)
+            assert (await client.redis.xpending("tokens", "g"))["pending"] == 1
+            assert await client.redis.xlen("replies") == 1  # only the hello
+            await client.add_ack_and_read([("replies", reply)], "tokens", "g", [entry], "c",
+                                          count=10, nomkstream=True)
+            assert (await client.redis.xpending("tokens", "g"))["pending"] == 0
+            assert await client.redis.xlen("replies") == 2
+        finally:
+            await client.close()
+
+    asyncio.run(main())
