@@ -265,3 +265,25 @@ def test_bench_command_writes_json_with_the_documented_keys(peer_url, tmp_path):
     assert set(summary["itl_ms"]) == {"mean", "p50", "p90", "p99"}
     assert summary["options"]["ignore_eos"] is True
     assert summary["options"]["request_rate"] == 20
+
+
+def test_tier_cpu_finds_a_tiers_processes_and_splits_the_scheduler(tier):
+    """bench/tier_cpu.py beside the real tier: every role found by its command
+    line, the scheduler's event loop apart from its engine, every part's CPU
+    moving forward over a run."""
+    path = Path(__file__).resolve().parent.parent / "bench" / "tier_cpu.py"
+    spec = importlib.util.spec_from_file_location("tier_cpu", path)
+    tc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tc)
+    found = tc.tier_processes()
+    ours = {proc.pid for procs in found.values() for proc in procs}
+    assert {proc.pid for proc in tier.procs} <= ours
+    before = tc.cpu_times(found)
+    assert {"api", "scheduler loop", "scheduler engine", "detokenizer",
+            "bench client"} <= before.keys()
+    result = run_bench(BenchOptions(base_url=tier.base_url, num_requests=4, concurrency=4,
+                                    max_tokens=8, ignore_eos=True))
+    assert result["failed"] == 0
+    after = tc.cpu_times(found)
+    assert sum(after["scheduler engine"]) > sum(before["scheduler engine"])
+    assert all(sum(after[part]) >= sum(before[part]) for part in before)
