@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import redis
 from redis.exceptions import ResponseError
 
 from pipeline.messages import FIELD, Delta, ReplyBatch, replies_decoder
-from pipeline.streams import StreamClient
+from pipeline.streams import StreamClient, resp
 
 
 @pytest.fixture
@@ -64,3 +65,13 @@ async def test_an_error_reply_is_raised_and_the_client_goes_on(client, prefix):
     assert await client.add_ack_and_read([], source, "g", [entry], "c", count=10) == [
         (later, b"two")]
 
+
+
+def test_resp_is_what_redis_py_sends(redis_url):
+    commands = [("MULTI",), ("XADD", "k", "MAXLEN", "~", 10_000, "*", b"m", bytes(range(256))),
+                ("XREADGROUP", "GROUP", "g", "c", "COUNT", 64, "BLOCK", 0, "STREAMS", "k", ">"),
+                ("XACK", "k", "g", "1-1", "2-2"), ("EXEC",), ("SET", "ключ", "")]
+    connection = redis.Redis.from_url(redis_url).connection_pool.make_connection()
+    assert resp(commands) == b"".join(connection.pack_commands(commands))
+    with pytest.raises(TypeError):
+        resp([("SET", "k", 1.5)])
