@@ -1,4 +1,5 @@
-"""StreamClient's one-round-trip answer-and-read against the machine's Redis."""
+"""StreamClient's one-round-trip answer-and-read against the machine's Redis, and
+the RESP it packs."""
 
 from __future__ import annotations
 
@@ -57,14 +58,13 @@ async def test_an_error_reply_is_raised_and_the_client_goes_on(client, prefix):
     await client.add_ack_and_read([], source, "g", [], "c", count=10)
     with pytest.raises(ResponseError, match="WRONGTYPE"):
         await client.add_ack_and_read([(wrong, batch(0))], source, "g", [entry], "c", count=10)
-    # the connection it was read on was dropped, not reused with replies unread
+    # every reply was read before the error was raised: the connection is in step
     assert await client.redis.ping()
     with pytest.raises(ResponseError, match="NOGROUP"):
         await client.add_ack_and_read([], f"{prefix}:no-such", "g", [], "c", count=10)
     later = (await client.redis.xadd(source, {FIELD: b"two"})).decode()
     assert await client.add_ack_and_read([], source, "g", [entry], "c", count=10) == [
         (later, b"two")]
-
 
 
 def test_resp_is_what_redis_py_sends(redis_url):

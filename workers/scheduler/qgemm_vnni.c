@@ -25,12 +25,12 @@
 #include "kernels.h"
 
 enum { GROUP = 32, LANES = 16, FINE_LEVELS = 127 * 128 };
-/* Rows a weight block serves from registers, at most: 16 for plain 8-bit
-   weights (the lm_head's 49152 x 576 at 32-128 rows: 0.91-0.94x the time of
-   12, AMD Zen 5), 12 for the rest (4-bit: 0.99-1.01x with 16; the fine
-   kernels keep a second chain of dots live). */
+/* Rows a weight block serves from registers, at most: ROWS for plain 8-bit
+   weights (the lm_head's 49152 x 576 at 16-96 rows: 0.84-0.91x the time of
+   12 on 2 threads, AMD Zen 5), 12 for the rest (4-bit: 0.99-1.01x with 16;
+   the fine kernels keep a second chain of dots live). */
 #define ROWS 16
-static inline int max_rows(int bits, int fine) { return bits == 8 && !fine ? 16 : 12; }
+static inline int max_rows(int bits, int fine) { return bits == 8 && !fine ? ROWS : 12; }
 #ifndef PREFETCH
 #define PREFETCH 4096  /* bytes ahead of the block in use (1024-4096: within 5%) */
 #endif
