@@ -117,6 +117,7 @@ def test_grouped_steps_give_the_python_forwards_logits(model_files):
     if torch.get_num_threads() < 2:
         pytest.skip("one thread: steps are not grouped")
     engine = make_engine(model_files, "bfloat16", max_batch_tokens=400)
+    engine.model.driver.grouped = True  # beside AMX's tiles only a choice; checked anyway
     sampling = Sampling(max_tokens=2, temperature=0.0, ignore_eos=True)
     for i in range(48):
         engine.add(EngineRequest(str(i), [5 + i, 7, 11, 13][:1 + i % 4], [], sampling))
@@ -133,6 +134,14 @@ def test_grouped_steps_give_the_python_forwards_logits(model_files):
     assert [c.num_tokens for c in plan.chunks] == [30, 31, 32, 33, 34]
     assert row_groups([30, 31, 32, 33, 34], torch.get_num_threads()) is not None
     assert_driver_matches_python(engine, plan)
+
+
+def test_steps_beside_amx_tiles_run_layer_by_layer(engine):
+    """Grouped steps run each group's matmuls on its own rows; the tiles'
+    cost a row falls with rows (one dequantization serves up to 64)."""
+    tiles = engine.kernels.amx
+    assert tiles == any(layer.gate_up.tiled is not None for layer in engine.model.layers)
+    assert engine.model.driver.grouped is not tiles
 
 
 def test_wider_steps_and_fp32_models_stay_in_python(engine, model_files):

@@ -8,7 +8,9 @@
 # None where that does not hold, and the forward pass stays in Python.
 # A step of many rows runs as groups of whole sequences, each group its own chain
 # of layers that one thread at a time advances (`row_groups`, layers.c's
-# decode_layers_grouped), so no thread waits for the other between kernels.
+# decode_layers_grouped), so no thread waits for the other between kernels;
+# except beside AMX's tiles, whose matmuls cost less a row the more rows share
+# them (one dequantization serves up to 64).
 
 from __future__ import annotations
 
@@ -103,10 +105,11 @@ def kernels_of(linear: Dense, dtype: torch.dtype) -> list[tuple[int, int, int]]:
 class Driver:
     """`regimes`: (rows up to, the layers' kernels for them), fewest rows first."""
 
-    def __init__(self, lib: ctypes.CDLL, model, attention, regimes: list[tuple[int, ctypes.Array]]):
+    def __init__(self, lib: ctypes.CDLL, model, attention, regimes: list[tuple[int, ctypes.Array]],
+                 grouped: bool = True):
         self.run, self.attention, self.regimes = lib.decode_layers, attention, regimes
         self.run_grouped = lib.decode_layers_grouped
-        self.grouped = True  # False: every step layer by layer (bench/grouped_steps.py)
+        self.grouped = grouped  # False: every step layer by layer (bench/grouped_steps.py)
         self.max_rows = regimes[-1][0]
         self.cos, self.sin = model.cos, model.sin
         ops, spec, kernel = model.ops, model.spec, attention.kernel
@@ -142,7 +145,11 @@ class Driver:
                       for index, (layer, kernels) in enumerate(zip(model.layers, chosen,
                                                                    strict=True))]
             regimes.append((bound, (Layer * len(layers))(*layers)))
-        return cls(lib, model, attention, regimes) if regimes else None
+        # A group of ~10 rows on the tiles dequantizes every weight for 10 rows,
+        # not 64: grouped, 64-row decode steps took 1.23-1.37x the time of steps
+        # layer by layer, 48-row ones 1.14-1.25x (bench/grouped_steps.py, Intel Xeon).
+        tiles = any(getattr(layer, n).tiled is not None for layer in model.layers for n in names)
+        return cls(lib, model, attention, regimes, grouped=not tiles) if regimes else None
 
     def takes(self, rows: int, attend) -> bool:
         return rows <= self.max_rows and attend is self.attention
