@@ -240,8 +240,9 @@ def test_beside_amx_int8_serves_small_batches_and_the_tiles_the_rest(checkpoint)
             for rows in (1, VNNI_BESIDE_AMX, VNNI_BESIDE_AMX + 1, 64, 65):
                 x = torch.randn(rows, weight.shape[1]).bfloat16()
                 out = linear(x)
-                if rows <= VNNI_BESIDE_AMX:
-                    assert torch.equal(out, qgemm_vnni.matmul(x, linear.vnni))
+                if rows <= VNNI_BESIDE_AMX:  # qkv's fine kernel up to its rows, where asked
+                    blocks = linear.vnni_fine if rows <= linear.fine_rows else linear.vnni
+                    assert torch.equal(out, qgemm_vnni.matmul(x, blocks))
                 elif rows <= 64:
                     assert torch.equal(out, qgemm_amx.matmul(x, linear.tiled))
                 assert relative_error(out, x.double() @ weight.double().t()) < 2e-2

@@ -4,6 +4,10 @@
 // bf16(level * scale + minimum) in fp32 and rounded to nearest even: the very
 // weights the dense bf16 path holds. One tile product then takes up to 16 rows
 // of x against them; up to 4 row blocks (64 rows) share one dequantization.
+// The next group's dequantization runs between this group's tile products, a
+// quarter after each, so the vector units and the tiles work at once: all 30
+// layers' projections and the lm_head at 64 rows (streamed) took 0.82-0.85x the
+// time of dequantizing before the products, 0.82x at 48, 0.95x at 32, 0.98x at 16.
 //
 // Weight layout, per block of 16 outputs and group g (see qgemm_amx.py): 16
 // tile rows, one per pair of inputs (2r, 2r + 1); lane L of a row is output
@@ -13,6 +17,8 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+
+#include "kernels.h"
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -45,33 +51,42 @@ static void configure(int blocks, int last) {
     _tile_loadconfig(&c);
 }
 
-// One group's 16 x 32 weights as bf16 tile rows into `dst` (1 KB).
-static inline void dequantize(const uint8_t *q, const float *scale, const float *low,
-                              int bits, uint16_t *dst) {
+// A group's scales and minimums, each output's spread over its two lanes.
+typedef struct { __m512 s_lo, s_hi, m_lo, m_hi; } Consts;
+static inline Consts consts(const float *scale, const float *low) {
     const __m512i lo_lanes = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i hi_lanes = _mm512_add_epi32(lo_lanes, _mm512_set1_epi32(8));
+    Consts c;
     __m512 s = _mm512_loadu_ps(scale);
-    __m512 s_lo = _mm512_permutexvar_ps(lo_lanes, s), s_hi = _mm512_permutexvar_ps(hi_lanes, s);
-    if (bits == 4) {
+    c.s_lo = _mm512_permutexvar_ps(lo_lanes, s), c.s_hi = _mm512_permutexvar_ps(hi_lanes, s);
+    if (low) {
         __m512 m = _mm512_loadu_ps(low);
-        __m512 m_lo = _mm512_permutexvar_ps(lo_lanes, m);
-        __m512 m_hi = _mm512_permutexvar_ps(hi_lanes, m);
+        c.m_lo = _mm512_permutexvar_ps(lo_lanes, m), c.m_hi = _mm512_permutexvar_ps(hi_lanes, m);
+    } else {
+        c.m_lo = c.m_hi = _mm512_setzero_ps();
+    }
+    return c;
+}
+
+// Tile rows [r0, r0 + 4) of one group's 16 x 32 weights, as bf16, into `dst`.
+static inline void dequantize4(const uint8_t *q, Consts c, int bits, uint16_t *dst, int r0) {
+    if (bits == 4) {
         const __m512i nibble = _mm512_set1_epi32(15);
-        for (int r = 0; r < 16; r++) {
+        for (int r = r0; r < r0 + 4; r++) {
             __m512i t = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * r)));
             __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(t, nibble));
             __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(t, 4));
-            lo = _mm512_fmadd_ps(lo, s_lo, m_lo);
-            hi = _mm512_fmadd_ps(hi, s_hi, m_hi);
+            lo = _mm512_fmadd_ps(lo, c.s_lo, c.m_lo);
+            hi = _mm512_fmadd_ps(hi, c.s_hi, c.m_hi);
             _mm512_store_si512(dst + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
     } else {
-        for (int r = 0; r < 16; r++) {
+        for (int r = r0; r < r0 + 4; r++) {
             const __m128i *row = (const __m128i *)(q + 32 * r);
             __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row)));
             __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row + 1)));
-            lo = _mm512_mul_ps(lo, s_lo);
-            hi = _mm512_mul_ps(hi, s_hi);
+            lo = _mm512_mul_ps(lo, c.s_lo);
+            hi = _mm512_mul_ps(hi, c.s_hi);
             _mm512_store_si512(dst + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
     }
@@ -84,6 +99,8 @@ static inline void dequantize(const uint8_t *q, const float *scale, const float 
 #define PRODUCT(block, a)                                                        \
     _tile_loadd(a, x + (size_t)16 * (block) * in_dim + 32 * g, 2 * in_dim); \
     _tile_dpbf16ps(block, a, 6);
+// Tile rows [r, r + 4) of the next group's weights, where there is one.
+#define NEXT(r) if (more) dequantize4(qn, c, bits, next, r);
 
 // Writes row block `block` (tile `block`) of 16 outputs starting at column n0.
 #define STORE(block)                                                                 \
@@ -105,6 +122,7 @@ void q_gemm_amx(const uint16_t *x_all, int rows, int in_dim, const uint8_t *q,
                 int bits) {
     const int groups = in_dim / 32, num_blocks = out_dim / 16;
     const size_t q_bytes = bits == 4 ? 256 : 512;
+    Span *spans = aligned_alloc(64, sizeof(Span) * omp_get_max_threads());  // blocks by stealing
     for (int m0 = 0; m0 < rows; m0 += 64) {
         const int here = rows - m0 < 64 ? rows - m0 : 64;
         const int blocks = (here + 15) / 16, last = here - 16 * (blocks - 1);
@@ -116,8 +134,9 @@ void q_gemm_amx(const uint16_t *x_all, int rows, int in_dim, const uint8_t *q,
             configure(blocks, last);
             uint16_t tiles[2][512] __attribute__((aligned(64)));
             float sums[256] __attribute__((aligned(64)));
-#pragma omp for schedule(static)
-            for (int nb = 0; nb < num_blocks; nb++) {
+            span_init(spans, num_blocks);
+#pragma omp barrier
+            for (int from = 0, nb; (nb = span_next(spans, &from)) >= 0;) {
                 const int n0 = 16 * nb;
                 const uint8_t *qb = q + (size_t)nb * groups * q_bytes;
                 const float *sb = scale + (size_t)nb * groups * 16;
@@ -126,21 +145,29 @@ void q_gemm_amx(const uint16_t *x_all, int rows, int in_dim, const uint8_t *q,
                 _tile_zero(1);
                 _tile_zero(2);
                 _tile_zero(3);
+                const Consts first = consts(sb, lb);
+                for (int r = 0; r < 16; r += 4)
+                    dequantize4(qb, first, bits, tiles[0], r);
                 for (int g = 0; g < groups; g++) {
-                    uint16_t *tile = tiles[g & 1];
+                    const int more = g + 1 < groups;
+                    uint16_t *next = tiles[(g + 1) & 1];
+                    const uint8_t *qn = qb + (g + 1) * q_bytes;
                     const uint8_t *ahead = qb + (g + PREFETCH) * q_bytes;  // may pass the end
                     for (size_t line = 0; line < q_bytes; line += 64)
                         _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
                     _mm_prefetch((const char *)(sb + 16 * (g + PREFETCH)), _MM_HINT_T0);
                     if (lb)
                         _mm_prefetch((const char *)(lb + 16 * (g + PREFETCH)), _MM_HINT_T0);
-                    dequantize(qb + g * q_bytes, sb + 16 * g, lb ? lb + 16 * g : 0, bits, tile);
-                    _tile_loadd(6, tile, 64);
-                    switch (blocks) {
-                    case 4: PRODUCT(0, 4) PRODUCT(1, 4) PRODUCT(2, 4) PRODUCT(3, 5) break;
-                    case 3: PRODUCT(0, 4) PRODUCT(1, 4) PRODUCT(2, 5) break;
-                    case 2: PRODUCT(0, 4) PRODUCT(1, 5) break;
-                    default: PRODUCT(0, 5)
+                    _tile_loadd(6, tiles[g & 1], 64);
+                    const Consts c = more ? consts(sb + 16 * (g + 1), lb ? lb + 16 * (g + 1) : 0)
+                                          : first;
+                    switch (blocks) {  // the next group's quarters between the products
+                    case 4: PRODUCT(0, 4) NEXT(0) PRODUCT(1, 4) NEXT(4) PRODUCT(2, 4) NEXT(8)
+                            PRODUCT(3, 5) NEXT(12) break;
+                    case 3: PRODUCT(0, 4) NEXT(0) NEXT(4) PRODUCT(1, 4) NEXT(8) PRODUCT(2, 5) NEXT(12)
+                            break;
+                    case 2: PRODUCT(0, 4) NEXT(0) NEXT(4) PRODUCT(1, 5) NEXT(8) NEXT(12) break;
+                    default: PRODUCT(0, 5) NEXT(0) NEXT(4) NEXT(8) NEXT(12)
                     }
                 }
                 switch (blocks) {
@@ -153,6 +180,7 @@ void q_gemm_amx(const uint16_t *x_all, int rows, int in_dim, const uint8_t *q,
             _tile_release();
         }
     }
+    free(spans);
 }
 
 // A weight as layers.c passes it: its parts, for tiled_gemm.
