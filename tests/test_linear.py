@@ -19,6 +19,7 @@ from workers.scheduler.engine import resolve_dtype, resolve_quantization
 from workers.scheduler.linear import (
     ONEDNN_ROWS,
     PLAIN,
+    TILE_ROWS,
     Dense,
     Int4,
     Int8,
@@ -185,7 +186,8 @@ def test_qgemm_amx_computes_on_the_dense_bf16_weight(checkpoint):
     embed = checkpoint["model.embed_tokens.weight"][:1024]
     for weight, kind in ((down, Int4), (embed, Int8)):  # Q4_1, Q8_0
         linear = make_linear(weight, None, torch.bfloat16, "lossless", Kernels(amx=True))
-        assert type(linear) is kind and linear.tiled is not None and linear.small_batch == 64
+        assert type(linear) is kind and linear.tiled is not None
+        assert linear.small_batch == TILE_ROWS
         dense = weight.bfloat16().float().t()
         for rows in (1, 5, 16, 17, 40, 64, 100):
             x = torch.randn(rows, weight.shape[1], generator=generator).bfloat16()

@@ -21,6 +21,7 @@ from workers.scheduler.calibrate import choose_kernels
 from workers.scheduler.engine import Engine
 from workers.scheduler.linear import (
     FINE_ROWS,
+    TILE_ROWS,
     VNNI_BESIDE_AMX,
     Int4,
     Kernels,
@@ -235,15 +236,15 @@ def test_beside_amx_int8_serves_small_batches_and_the_tiles_the_rest(checkpoint)
             linear = make_linear(weight, None, torch.bfloat16, "lossless",
                                  Kernels(onednn=True, amx=True, vnni=True, fine=fine))
             assert linear.vnni is not None and linear.tiled is not None
-            assert linear.vnni_rows == VNNI_BESIDE_AMX and linear.small_batch == 64
+            assert linear.vnni_rows == VNNI_BESIDE_AMX and linear.small_batch == TILE_ROWS
             assert linear.onednn_weight is not None
-            for rows in (1, VNNI_BESIDE_AMX, VNNI_BESIDE_AMX + 1, 64, 65):
+            for rows in (1, VNNI_BESIDE_AMX, VNNI_BESIDE_AMX + 1, 64, TILE_ROWS, TILE_ROWS + 1):
                 x = torch.randn(rows, weight.shape[1]).bfloat16()
                 out = linear(x)
                 if rows <= VNNI_BESIDE_AMX:  # qkv's fine kernel up to its rows, where asked
                     blocks = linear.vnni_fine if rows <= linear.fine_rows else linear.vnni
                     assert torch.equal(out, qgemm_vnni.matmul(x, blocks))
-                elif rows <= 64:
+                elif rows <= TILE_ROWS:
                     assert torch.equal(out, qgemm_amx.matmul(x, linear.tiled))
                 assert relative_error(out, x.double() @ weight.double().t()) < 2e-2
 

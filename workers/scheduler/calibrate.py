@@ -115,10 +115,10 @@ def choose_kernels(device: torch.device, dtype: torch.dtype, spec,
         # that int8 is coarse for (model.LlamaModel) take the fine kernels up to
         # linear.FINE_ROWS rows and int8 beyond, so that layers.c runs every step.
         # Beside AMX (auto): int8 up to linear.VNNI_BESIDE_AMX rows, the tiles on
-        # bf16 beyond, up to 64
+        # bf16 beyond, up to linear.TILE_ROWS
         return Kernels(onednn=onednn, vnni=True, amx=amx and activations == "auto")
     if amx:
-        # Intel AMX: 0.34-0.69x oneDNN's time from 1 to 64 rows (linear.Kernels)
+        # Intel AMX: 0.34-0.78x oneDNN's time from 1 to 128 rows (linear.Kernels)
         return Kernels(onednn=onednn, amx=True)
     return Kernels(onednn=onednn,
                    qgemm=quantized and qgemm_is_faster(dtype, *shape, spec.vocab_size))

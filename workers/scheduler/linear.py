@@ -28,7 +28,13 @@ FINE_ROWS = 4
 # weight, measured: 4-5x the matmul at 500 rows), and serving's steps come in
 # every count: its batches are padded to a multiple of this, a few kernels in all
 ONEDNN_ROWS = 32
-# rows int8 activations serve beside the AMX tiles, which take over up to 64:
+# rows AMX's tiles serve (in passes of 64, each dequantizing the weight again),
+# the dense matmul beyond: engine steps through layers.c against oneDNN's in
+# Python (Intel Xeon with AMX; the tiles' dequantization overlapped): 0.70x the
+# time at 96 rows, 0.72x at 128, 0.69-0.90x at 160, 0.80-0.92x at 192, 0.89-1.06x
+# at 256; the projections alone 0.60x at 64, 0.78x at 128, 1.09x at 192-512
+TILE_ROWS = 192
+# rows int8 activations serve beside the AMX tiles, which take over up to TILE_ROWS:
 # paired engine steps, both through layers.c (Intel Xeon with AMX), the tiles'
 # time over int8's 1.36x at 4 rows, 1.16x at 6-8, 1.05x at 10, 0.97x at 12,
 # 0.82x at 16 (with the tiles' steps in Python it was 16, for 0.85x there)
@@ -59,19 +65,20 @@ class Kernels:
           at 8 and 16 rows, 0.85x at 24, 0.91x at 32, 1.01x at 48, 1.09x at 64).
         - qgemm_bf16.c beside oneDNN bf16 (Zen 5): 12 (0.98x at 12 rows, 1.15x at
           16; against torch's 4-bit kernel 0.89x at 1 row, 0.84x at 4, 0.79x at 8).
-        - qgemm_amx.c beside oneDNN bf16 (Intel Xeon with AMX): 64, one pass of
-          its tiles (all 30 layers' weights, streamed: 0.34x oneDNN's time at 1
-          row, 0.46x at 16, 0.55x at 32, 0.69x at 64; two passes at 128 rows: 1.06x).
+        - qgemm_amx.c beside oneDNN bf16 (Intel Xeon with AMX): TILE_ROWS (all 30
+          layers' weights, streamed: 0.34x oneDNN's time at 1 row, 0.46x at 16,
+          0.55x at 32, 0.69x at 64 before its dequantization overlapped the tiles;
+          after, 0.60x at 64 and 0.78x at 128 rows).
         - qgemm_vnni.c beside oneDNN bf16 (AMD Zen 4): every batch (0.25-0.3x at
           1 row, 0.5-0.65x at 16, 0.7x at 64, 0.72-0.78x at 128-512), so the
           weight keeps no dense copy.
         - its fine kernels (qkv) serve up to FINE_ROWS, the int8 ones beyond:
           every batch too (the fine ones beside oneDNN bf16, AMD Zen 5: 0.33x at
           1 row, 0.77x at 16, 1.14x at 64, 1.3-1.5x at 128-512).
-        - qgemm_vnni.c beside qgemm_amx.c (Intel Xeon with AMX): the tiles' 64,
-          of which int8 serves the first VNNI_BESIDE_AMX rows."""
+        - qgemm_vnni.c beside qgemm_amx.c (Intel Xeon with AMX): the tiles'
+          TILE_ROWS, of which int8 serves the first VNNI_BESIDE_AMX rows."""
         if self.amx and dtype == torch.bfloat16:
-            return 64
+            return TILE_ROWS
         if self.vnni and qgemm_vnni.takes(dtype):
             return sys.maxsize
         if self.qgemm:

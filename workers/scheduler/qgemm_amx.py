@@ -1,7 +1,7 @@
 # The 4- and 8-bit matmul on Intel AMX tiles (qgemm_amx.c), for bf16
 # activations: it dequantizes each 16 x 32 piece of the weight once per 64 rows
-# of x, so it reads 4-bit weights at any batch up to 64 rows where oneDNN's dense
-# bf16 matmul reads four times the bytes. `load()` says None without AMX, a
+# of x, so it reads 4-bit weights where oneDNN's dense bf16 matmul reads four
+# times the bytes (linear.TILE_ROWS: the rows it serves). `load()` says None without AMX, a
 # compiler, or Linux's leave to use the tile registers.
 
 from __future__ import annotations
