@@ -164,8 +164,8 @@ void q_gemm_amx(const uint16_t *x_all, int rows, int in_dim, const uint8_t *q,
                     switch (blocks) {  // the next group's quarters between the products
                     case 4: PRODUCT(0, 4) NEXT(0) PRODUCT(1, 4) NEXT(4) PRODUCT(2, 4) NEXT(8)
                             PRODUCT(3, 5) NEXT(12) break;
-                    case 3: PRODUCT(0, 4) NEXT(0) NEXT(4) PRODUCT(1, 4) NEXT(8) PRODUCT(2, 5) NEXT(12)
-                            break;
+                    case 3: PRODUCT(0, 4) NEXT(0) NEXT(4) PRODUCT(1, 4) NEXT(8)
+                            PRODUCT(2, 5) NEXT(12) break;
                     case 2: PRODUCT(0, 4) NEXT(0) NEXT(4) PRODUCT(1, 5) NEXT(8) NEXT(12) break;
                     default: PRODUCT(0, 5) NEXT(0) NEXT(4) NEXT(8) NEXT(12)
                     }
