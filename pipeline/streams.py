@@ -117,6 +117,10 @@ def resp(commands: Sequence[tuple]) -> bytes:
     return b"".join(out)
 
 
+MAX_CONNECTIONS = 32  # a client's connections to Redis; a command takes ~0.1 ms of one
+POOL_WAIT_S = 5.0  # a command waits this long for a free one, then fails as Redis down would
+
+
 class StreamClient:
     """The Redis stream client every role uses. Blocking reads get their own
     connection (`reader()`), so a long BLOCK never starves XADD/XACK traffic."""
@@ -124,11 +128,16 @@ class StreamClient:
     def __init__(self, url: str, *, block_ms: int = 1000):
         self.url = url
         self.block_ms = block_ms
-        # socket timeout above the longest BLOCK: a blocked read must not look like a dead socket
-        self.redis = redis.Redis.from_url(
-            url, socket_timeout=max(5.0, 2 * block_ms / 1000), socket_connect_timeout=5.0,
+        # socket timeout above the longest BLOCK: a blocked read must not look like a dead socket.
+        # A burst of commands (an api submitting 256 requests at once) waits for one of
+        # MAX_CONNECTIONS rather than failing: redis-py's plain pool raises "Too many
+        # connections" past 100, which callers took for Redis being down and backed off.
+        pool = redis.BlockingConnectionPool.from_url(
+            url, max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT_S,
+            socket_timeout=max(5.0, 2 * block_ms / 1000), socket_connect_timeout=5.0,
             health_check_interval=30,
         )
+        self.redis = redis.Redis.from_pool(pool)
 
     def reader(self) -> StreamClient:
         return StreamClient(self.url, block_ms=self.block_ms)

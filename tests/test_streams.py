@@ -3,12 +3,14 @@ the RESP it packs."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import redis
 from redis.exceptions import ResponseError
 
-from pipeline.messages import FIELD, Delta, ReplyBatch, replies_decoder
-from pipeline.streams import StreamClient, resp
+from pipeline.messages import FIELD, Cancel, Delta, ReplyBatch, replies_decoder
+from pipeline.streams import MAX_CONNECTIONS, StreamClient, resp
 
 
 @pytest.fixture
@@ -65,6 +67,17 @@ async def test_an_error_reply_is_raised_and_the_client_goes_on(client, prefix):
     later = (await client.redis.xadd(source, {FIELD: b"two"})).decode()
     assert await client.add_ack_and_read([], source, "g", [entry], "c", count=10) == [
         (later, b"two")]
+
+
+async def test_a_burst_past_the_pool_waits_for_a_connection(client, prefix):
+    """300 commands at once (an api submitting a burst of requests) all land, over at
+    most MAX_CONNECTIONS connections: none fails with "Too many connections"."""
+    stream = f"{prefix}:burst"
+    await asyncio.gather(*(client.add(stream, Cancel([str(i)])) for i in range(300)))
+    assert await client.redis.xlen(stream) == 300
+    pool = client.redis.connection_pool
+    opened = len(pool._available_connections) + len(pool._in_use_connections)
+    assert opened <= MAX_CONNECTIONS
 
 
 def test_resp_is_what_redis_py_sends(redis_url):
