@@ -284,3 +284,4 @@ def test_pipeline_status_names_the_kernels_the_engine_chose(model_files):
         assert info["activations"] == "exact"
         assert info["4bit_matmul"] in ("amx", "qgemm", "torch")
     assert info["dtype"] == str(engine.dtype).removeprefix("torch.")
+    assert (info["device"], info["attention"], info["cuda_graphs"]) == ("cpu", "torch", 0)

@@ -122,7 +122,7 @@ class Engine:
         self.model = LlamaModel.load(Path(model_path), spec, self.device, self.dtype,
                                      self.quantization, self.kernels)
         self.model.warm(config.max_batch_tokens)
-        backend = choose_backend(config.attention_backend, self.device)
+        self.backend = backend = choose_backend(config.attention_backend, self.device)
         per_block = bytes_per_block(spec.num_layers, config.block_size, spec.num_kv_heads,
                                     spec.head_dim, kv_dtype(backend, self.dtype, self.device))
         num_blocks = config.kv_cache_mb * 2**20 // per_block

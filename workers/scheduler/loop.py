@@ -294,7 +294,10 @@ class Scheduler:
 
     def info(self) -> dict:
         engine = self.engine
-        return {"model": self.config.model, "dtype": str(engine.dtype).removeprefix("torch."),
+        return {"model": self.config.model, "device": engine.device.type,
+                "dtype": str(engine.dtype).removeprefix("torch."),
+                "attention": engine.backend,
+                "cuda_graphs": engine.graphs.sizes[-1] if engine.graphs else 0,
                 "quantization": engine.quantization,
                 "dense_matmul": "onednn" if engine.kernels.onednn else "torch",
                 **kernel_names(engine.kernels),
