@@ -1,10 +1,14 @@
 """Our `pipeline serve` against transformers `generate` on the same prompts: output tok/s at
 concurrency (ours) or static batch (transformers) 1, 16 and 64, and per-token latency at 1,
 in ROUNDS rounds; each level's ratio is the median of its rounds' ratios.
-Writes bench/results/serving.{json,md,png}.  Run: .venv/bin/python bench/serving_bench.py"""
+Writes bench/results/serving.{json,md,png}.  Run: .venv/bin/python bench/serving_bench.py
+
+With `--device cuda` (auto picks it where CUDA is) both sides run on the GPU, at
+GPU_LEVELS, our tier sized for them (GPU_SERVER_ENV); it writes serving_gpu.*."""
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import os
@@ -17,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -26,6 +31,13 @@ from pipeline.bench import BenchOptions, make_prompts, run_bench
 from pipeline.models import DEFAULT_MODEL, resolve_model
 
 LEVELS = {1: 8, 16: 32, 64: 64}  # concurrency or batch size -> requests at that level
+# a GPU serves ~10x the CPU's tokens: more requests a level and a level of 256, but few at 1,
+# where transformers' GPU step is bound by its Python and kernel launches, not the GPU
+GPU_LEVELS = {1: 2, 16: 32, 64: 128, 256: 256}
+# `pipeline serve`'s defaults are sized for a CPU: a GPU batches up to 256 requests,
+# prefills 256 prompts in a step and holds their KV (bf16, ~23 KB a token for this model)
+GPU_SERVER_ENV = {"PIPELINE_MAX_RUNNING_REQUESTS": "256", "PIPELINE_MAX_BATCH_TOKENS": "8192",
+                  "PIPELINE_KV_CACHE_MB": "4096", "PIPELINE_API_WORKERS": "2"}
 PROMPT_WORDS, MAX_TOKENS, SEED = 24, 64, 0
 # this shared machine's speed moves by 10-30% within minutes (transformers' batch 64
 # gave 301-404 tok/s across one afternoon's runs): each round measures ours, then
@@ -42,19 +54,41 @@ RESULTS = ROOT / "bench" / "results"
 COMMAND = ".venv/bin/python bench/serving_bench.py"
 
 
+@dataclass(frozen=True)
+class Setup:
+    """Where both sides run, and what that asks of the run."""
+    device: str = "cpu"
+    levels: dict[int, int] = field(default_factory=lambda: dict(LEVELS))
+    hf_dtypes: tuple[str, ...] = HF_DTYPES
+    server_env: dict[str, str] = field(default_factory=dict)
+    results_name: str = "serving"
+
+
+def make_setup(device: str) -> Setup:
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        return Setup("cuda", dict(GPU_LEVELS), ("bfloat16",), dict(GPU_SERVER_ENV),
+                     "serving_gpu")
+    return Setup(hf_dtypes=hf_dtypes())
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def start_server(port: int, log_path: Path, deadline_s: float = 600) -> subprocess.Popen:
+def start_server(port: int, log_path: Path, setup: Setup,
+                 deadline_s: float = 600) -> subprocess.Popen:
     """`pipeline serve` as a child; returns once it printed its "serving" line and /health
     answers. The first run converts the model, hence the long deadline."""
     cmd = [sys.executable, "-m", "pipeline.cli", "serve", "--port", str(port),
-           "--dtype", OUR_DTYPE, "--log-level", "warning"]
+           "--dtype", OUR_DTYPE, "--device", setup.device, "--log-level", "warning"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, env=os.environ | setup.server_env)
     serving = threading.Event()
 
     def copy_output() -> None:
@@ -100,14 +134,14 @@ def bench_options(base_url: str, level: int, num_requests: int, seed: int) -> Be
                         temperature=0.0, model=DEFAULT_MODEL, seed=seed)
 
 
-def measure_ours(base_url: str, level: int, round_: int) -> dict:
-    summary = run_bench(bench_options(base_url, level, LEVELS[level], level_seed(level, round_)))
+def measure_ours(base_url: str, level: int, num_requests: int, round_: int) -> dict:
+    summary = run_bench(bench_options(base_url, level, num_requests, level_seed(level, round_)))
     print(f"ours  level {level:>2}: {summary['output_throughput']:.1f} tok/s, "
           f"{summary['failed']} failed", flush=True)
     return summary
 
 
-def load_transformers(dtype: str):
+def load_transformers(dtype: str, device: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -116,7 +150,7 @@ def load_transformers(dtype: str):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-    return tokenizer, model
+    return tokenizer, model.to(device)
 
 
 def generate_batch(tokenizer, model, prompts: list[str]) -> tuple[float, int, list[float]]:
@@ -134,12 +168,14 @@ def generate_batch(tokenizer, model, prompts: list[str]) -> tuple[float, int, li
             return scores
 
     clock = StepClock()
-    inputs = tokenizer(prompts, return_tensors="pt", padding=True)
+    inputs = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
     started = time.perf_counter()
     with torch.inference_mode():
         output = model.generate(**inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
                                 do_sample=False, pad_token_id=tokenizer.pad_token_id,
                                 logits_processor=LogitsProcessorList([clock]))
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
     elapsed_s = time.perf_counter() - started
     new_tokens = (output.shape[1] - inputs["input_ids"].shape[1]) * len(prompts)
     gaps = [later - earlier for earlier, later in itertools.pairwise(clock.times)]
@@ -152,14 +188,16 @@ def hf_dtypes() -> tuple[str, ...]:
     return HF_DTYPES if cpu_has_bf16() else ("float32",)
 
 
-def measure_transformers(models: dict[str, tuple], level: int, round_: int) -> dict:
+def measure_transformers(models: dict[str, tuple], level: int, num_requests: int,
+                         round_: int) -> dict:
     """The level at transformers' faster dtype (each dtype it was given)."""
-    runs = [measure_transformers_in(dtype, *models[dtype], level, round_) for dtype in models]
+    runs = [measure_transformers_in(dtype, *models[dtype], level, num_requests, round_)
+            for dtype in models]
     return max(runs, key=lambda run: run["output_throughput"])
 
 
-def measure_transformers_in(dtype: str, tokenizer, model, level: int, round_: int) -> dict:
-    num_requests = LEVELS[level]
+def measure_transformers_in(dtype: str, tokenizer, model, level: int, num_requests: int,
+                            round_: int) -> dict:
     prompts = make_prompts(num_requests, PROMPT_WORDS, level_seed(level, round_))  # run_bench's
     elapsed_s, new_tokens, gaps = 0.0, 0, []
     for start in range(0, num_requests, level):
@@ -188,8 +226,13 @@ def targets(levels: list[dict]) -> list[dict]:
     ]
 
 
-def cpu_model() -> str:
-    """The model name and the vector extensions that decide the matmuls here."""
+def processor(device: str) -> str:
+    """The CPU's model name and the vector extensions that decide its matmuls; the GPU's
+    name where both sides ran there."""
+    if device == "cuda":
+        import torch
+
+        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
     from workers.scheduler.native import cpu_flags
 
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
@@ -203,7 +246,7 @@ def median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda run: run["output_throughput"])[(len(runs) - 1) // 2]
 
 
-def level_entry(level: int, ours: list[dict], theirs: list[dict]) -> dict:
+def level_entry(level: int, num_requests: int, ours: list[dict], theirs: list[dict]) -> dict:
     """One level over its rounds: the ratio is the median of the rounds' ratios;
     each side's figures (latencies too) are its median round's."""
     rounds = [{"ours": mine["output_throughput"], "transformers": other["output_throughput"],
@@ -211,26 +254,31 @@ def level_entry(level: int, ours: list[dict], theirs: list[dict]) -> dict:
                "itl_per_token": None if mine["itl_ms"]["p50"] is None
                else mine["itl_ms"]["p50"] / other["per_token_ms_p50"]}
               for mine, other in zip(ours, theirs, strict=True)]
-    return {"level": level, "num_requests": LEVELS[level], "ours": median_run(ours),
+    return {"level": level, "num_requests": num_requests, "ours": median_run(ours),
             "transformers": median_run(theirs),
             "ratio": statistics.median(r["ratio"] for r in rounds), "rounds": rounds}
 
 
-def build_record(ours: dict[int, list[dict]], theirs: dict[int, list[dict]]) -> dict:
+def build_record(setup: Setup, ours: dict[int, list[dict]],
+                 theirs: dict[int, list[dict]]) -> dict:
     import torch
     import transformers
 
-    levels = [level_entry(level, ours[level], theirs[level]) for level in LEVELS]
+    levels = [level_entry(level, setup.levels[level], ours[level], theirs[level])
+              for level in setup.levels]
+    command = COMMAND + (" --device cuda" if setup.device == "cuda" else "")
     return {
-        "command": COMMAND, "created": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "cpu": cpu_model(), "platform": platform.platform(),
+        "command": command, "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "device": setup.device,
+                    "cpu": processor(setup.device), "platform": platform.platform(),
                     "python": platform.python_version(), "torch": torch.__version__,
                     "transformers": transformers.__version__},
-        "settings": {"model": DEFAULT_MODEL, "dtype": OUR_DTYPE, "hf_dtypes": hf_dtypes(),
+        "settings": {"model": DEFAULT_MODEL, "dtype": OUR_DTYPE, "hf_dtypes": setup.hf_dtypes,
+                     "server_env": setup.server_env,
                      "prompt_words": PROMPT_WORDS,
                      "max_tokens": MAX_TOKENS, "greedy": True, "ignore_eos": True,
                      "endpoint": "completions (plain-text prompts on both sides)",
-                     "levels": LEVELS, "rounds": len(levels[0]["rounds"])},
+                     "levels": setup.levels, "rounds": len(levels[0]["rounds"])},
         "levels": levels, "targets": targets(levels),
     }
 
@@ -267,7 +315,11 @@ def markdown(record: dict) -> str:
               f"{settings['max_tokens']} output tokens, greedy, ignore_eos; ours at concurrency "
               f"= level, transformers as static batches of that size, left-padded; "
               f"{settings['rounds']} rounds, each level by level, ours then theirs; each "
-              f"side's figures are its median round's.", ""]
+              f"side's figures are its median round's."]
+    if settings["server_env"]:
+        lines.append("Our server's settings: " + ", ".join(
+            f"{key}={value}" for key, value in settings["server_env"].items()) + ".")
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -289,7 +341,9 @@ def plot(record: dict, path: Path) -> None:
     axes.set_xticks(list(positions), labels)
     axes.set_xlabel("concurrency (ours) / static batch size (transformers)")
     axes.set_ylabel("output tokens/s")
-    axes.set_title(f"{record['settings']['model']}, {record['machine']['cpus']} CPUs")
+    machine = record["machine"]
+    where = machine["cpu"] if machine["device"] == "cuda" else f"{machine['cpus']} CPUs"
+    axes.set_title(f"{record['settings']['model']}, {where}")
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -301,31 +355,38 @@ def main() -> None:
     on this shared machine lands on both sides of a ratio more often than on
     one. The server idles (blocked on Redis) while transformers runs. Its
     faster dtype at each level, found in the first round, runs the later ones."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    setup = make_setup(parser.parse_args().device)
     RESULTS.mkdir(parents=True, exist_ok=True)
     models = {}
-    for dtype in hf_dtypes():
-        models[dtype] = load_transformers(dtype)
-        generate_batch(*models[dtype], make_prompts(2, PROMPT_WORDS, SEED + 99))  # warm-up
+    for dtype in setup.hf_dtypes:
+        models[dtype] = load_transformers(dtype, setup.device)
+        # warm-up; on a GPU each batch size's first call also picks its kernels (in the
+        # first run there, transformers' first round at each level was 1.5-3x slower)
+        for size in (2, *setup.levels) if setup.device == "cuda" else (2,):
+            generate_batch(*models[dtype], make_prompts(size, PROMPT_WORDS, SEED + 99))
     port = free_port()
-    proc = start_server(port, Path(tempfile.gettempdir()) / "serving-bench-server.log")
+    proc = start_server(port, Path(tempfile.gettempdir()) / "serving-bench-server.log", setup)
     base_url = f"http://127.0.0.1:{port}"
-    ours: dict[int, list[dict]] = {level: [] for level in LEVELS}
-    theirs: dict[int, list[dict]] = {level: [] for level in LEVELS}
+    ours: dict[int, list[dict]] = {level: [] for level in setup.levels}
+    theirs: dict[int, list[dict]] = {level: [] for level in setup.levels}
     try:
         run_bench(bench_options(base_url, 4, 4, seed=SEED + 99))  # warm-up
         for round_ in range(ROUNDS):
             print(f"round {round_ + 1} of {ROUNDS}", flush=True)
-            for level in LEVELS:
-                ours[level].append(measure_ours(base_url, level, round_))
+            for level, num_requests in setup.levels.items():
+                ours[level].append(measure_ours(base_url, level, num_requests, round_))
                 dtypes = [theirs[level][0]["dtype"]] if round_ else list(models)
                 theirs[level].append(measure_transformers(
-                    {dtype: models[dtype] for dtype in dtypes}, level, round_))
+                    {dtype: models[dtype] for dtype in dtypes}, level, num_requests, round_))
     finally:
         stop_server(proc)
-    record = build_record(ours, theirs)
-    (RESULTS / "serving.json").write_text(json.dumps(record, indent=2))
-    (RESULTS / "serving.md").write_text(markdown(record))
-    plot(record, RESULTS / "serving.png")
+    record = build_record(setup, ours, theirs)
+    name = setup.results_name
+    (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=2))
+    (RESULTS / f"{name}.md").write_text(markdown(record))
+    plot(record, RESULTS / f"{name}.png")
     print(markdown(record))
 
 

@@ -8,6 +8,7 @@ import importlib.util
 import itertools
 import json
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -142,9 +143,15 @@ def test_serving_bench_levels_share_no_prompt_opening():
     path = Path(__file__).resolve().parent.parent / "bench" / "serving_bench.py"
     spec = importlib.util.spec_from_file_location("serving_bench", path)
     sb = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = sb  # its dataclass looks its module up there
     spec.loader.exec_module(sb)
+    for levels in (sb.LEVELS, sb.GPU_LEVELS):
+        assert_no_shared_opening(sb, levels)
+
+
+def assert_no_shared_opening(sb, levels: dict[int, int]) -> None:
     runs = [make_prompts(n, sb.PROMPT_WORDS, sb.level_seed(level, round_))
-            for level, n in sb.LEVELS.items() for round_ in range(sb.ROUNDS)]
+            for level, n in levels.items() for round_ in range(sb.ROUNDS)]
     runs.append(make_prompts(4, sb.PROMPT_WORDS, sb.SEED + 99))
     openings = [tuple(prompt.split()[:3]) for run in runs for prompt in run]
     assert len(set(openings)) == len(openings)

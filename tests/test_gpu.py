@@ -7,12 +7,18 @@ in rounding, so not exactly)."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
+import time
 
+import openai
 import pytest
 import torch
 
 from pipeline.config import SchedulerConfig
 from pipeline.messages import Sampling
+from pipeline.status import live_workers
+from tests.harness import free_port
 from workers.scheduler.engine import Engine, EngineRequest
 
 pytestmark = [
@@ -46,6 +52,7 @@ def agreement(a: dict[str, list[int]], b: dict[str, list[int]]) -> float:
 def test_auto_picks_flashinfer_and_captures_decode_graphs_on_cuda(model_files):
     engine = Engine(model_files.path, SchedulerConfig(device="cuda", dtype="float16"))
     assert type(engine.attention).__name__ == "FlashInferAttention"
+    assert engine.backend == "flashinfer"
     assert engine.graphs.sizes[-1] == engine.config.max_running_requests
 
 
@@ -88,3 +95,39 @@ def test_a_replayed_step_gives_the_eager_forwards_logits(model_files):
     eager = engine.forward(plan, tables)
     assert replayed.shape == eager.shape == (8, engine.model.spec.vocab_size)
     assert (replayed - eager).abs().max() <= 0.02 * eager.abs().max()
+
+
+def test_pipeline_serve_on_cuda_answers_the_openai_client(model_files, tmp_path):
+    """The whole tier as a user starts it on a GPU host: embedded Redis, every role, the
+    scheduler on CUDA in its default dtype with graphs; the real model answers."""
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--port",
+                                 str(port), "--device", "cuda"], stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600  # the first run compiles flashinfer's kernels
+        while "serving" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               timeout=120)
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        whole = client.chat.completions.create(model=model_files.name, messages=messages,
+                                               temperature=0, max_tokens=20)
+        assert "Paris" in whole.choices[0].message.content
+        stream = client.chat.completions.create(model=model_files.name, messages=messages,
+                                                temperature=0, max_tokens=20, stream=True)
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream
+                           if chunk.choices)
+        assert "Paris" in streamed
+        redis_url = log_path.read_text().split("(Redis: ")[1].split(")")[0]
+        [scheduler] = [w for w in live_workers(redis_url, "pipeline")
+                       if w["role"] == "scheduler"]
+        assert (scheduler["device"], scheduler["dtype"], scheduler["attention"]) == (
+            "cuda", "bfloat16", "flashinfer")
+        assert scheduler["cuda_graphs"] == 64  # --max-running-requests caps the buckets
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
