@@ -4,7 +4,7 @@ in ROUNDS rounds; each level's ratio is the median of its rounds' ratios.
 Writes bench/results/serving.{json,md,png}.  Run: .venv/bin/python bench/serving_bench.py
 
 With `--device cuda` (auto picks it where CUDA is) both sides run on the GPU, at
-GPU_LEVELS, our tier sized for them (GPU_SERVER_ENV); it writes serving_gpu.*."""
+GPU_LEVELS, with two api workers (GPU_SERVER_ENV); it writes serving_gpu.*."""
 
 from __future__ import annotations
 
@@ -34,10 +34,9 @@ LEVELS = {1: 8, 16: 32, 64: 64}  # concurrency or batch size -> requests at that
 # a GPU serves ~10x the CPU's tokens: more requests a level and a level of 256, but few at 1,
 # where transformers' GPU step is bound by its Python and kernel launches, not the GPU
 GPU_LEVELS = {1: 2, 16: 32, 64: 128, 256: 256}
-# `pipeline serve`'s defaults are sized for a CPU: a GPU batches up to 256 requests,
-# prefills 256 prompts in a step and holds their KV (bf16, ~23 KB a token for this model)
-GPU_SERVER_ENV = {"PIPELINE_MAX_RUNNING_REQUESTS": "256", "PIPELINE_MAX_BATCH_TOKENS": "8192",
-                  "PIPELINE_KV_CACHE_MB": "4096", "PIPELINE_API_WORKERS": "2"}
+# `pipeline serve` sizes its batches for the GPU itself (pipeline.config.GPU_SIZES); at
+# ~20k tok/s one api process would spend most of a core on the streams, so two
+GPU_SERVER_ENV = {"PIPELINE_API_WORKERS": "2"}
 PROMPT_WORDS, MAX_TOKENS, SEED = 24, 64, 0
 # this shared machine's speed moves by 10-30% within minutes (transformers' batch 64
 # gave 301-404 tok/s across one afternoon's runs): each round measures ours, then

@@ -40,9 +40,13 @@ Model = Annotated[str, _opt("MODEL", f"A local HF model directory, or {DEFAULT_M
 Host = Annotated[str, _opt("HOST", "Address the api listens on.")]
 Port = Annotated[int, _opt("PORT", "Port the api listens on.")]
 ApiKey = Annotated[str | None, _opt("API_KEY", "Require 'Authorization: Bearer KEY'.")]
-MaxRunning = Annotated[int, _opt("MAX_RUNNING_REQUESTS", "Requests batched per scheduler.")]
-MaxBatchTokens = Annotated[int, _opt("MAX_BATCH_TOKENS", "Tokens per step (chunked prefill).")]
-KvCacheMb = Annotated[int, _opt("KV_CACHE_MB", "KV cache memory budget per scheduler, MiB.")]
+MaxRunning = Annotated[int | None, _opt("MAX_RUNNING_REQUESTS", "Requests batched per "
+                                        "scheduler (default: 64 on a CPU, 256 on a GPU).")]
+MaxBatchTokens = Annotated[int | None, _opt("MAX_BATCH_TOKENS", "Tokens per step (chunked "
+                                            "prefill; default: 512 on a CPU, 8192 on a GPU).")]
+KvCacheMb = Annotated[int | None, _opt("KV_CACHE_MB", "KV cache memory budget per scheduler, "
+                                       "MiB (default: 512 on a CPU; on a GPU half the memory "
+                                       "free once the weights are loaded).")]
 Dtype = Annotated[str, _opt("DTYPE", "auto | bfloat16 | float32 | float16.")]
 Quantization = Annotated[str, _opt("QUANTIZATION", "auto | int4 | none: 4-bit weights for small "
                                    "batches (auto: only where the checkpoint is exactly 4- or "
@@ -65,8 +69,9 @@ LogLevel = Annotated[str, _opt("LOG_LEVEL", "debug | info | warning | error.")]
 
 
 def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: int,
-                 api_key: str | None, max_running_requests: int, max_batch_tokens: int,
-                 kv_cache_mb: int, dtype: str, quantization: str, activations: str, device: str,
+                 api_key: str | None, max_running_requests: int | None,
+                 max_batch_tokens: int | None, kv_cache_mb: int | None, dtype: str,
+                 quantization: str, activations: str, device: str,
                  num_threads: int | None, cuda_graph_max_batch: int,
                  request_timeout: float, max_queued_requests: int,
                  alive_ttl_s: float) -> Config:
@@ -116,8 +121,8 @@ def serve(
     api_workers: Annotated[int, _opt("API_WORKERS", "api worker processes.")] = 1,
     schedulers: Annotated[int, _opt("SCHEDULERS", "Scheduler processes.")] = 1,
     detokenizers: Annotated[int, _opt("DETOKENIZERS", "Detokenizer processes.")] = 1,
-    api_key: ApiKey = None, max_running_requests: MaxRunning = 64,
-    max_batch_tokens: MaxBatchTokens = 512, kv_cache_mb: KvCacheMb = 512, dtype: Dtype = "auto",
+    api_key: ApiKey = None, max_running_requests: MaxRunning = None,
+    max_batch_tokens: MaxBatchTokens = None, kv_cache_mb: KvCacheMb = None, dtype: Dtype = "auto",
     quantization: Quantization = "auto", activations: Activations = "auto",
     device: Device = "auto", num_threads: Threads = None, cuda_graph_max_batch: CudaGraphs = 256,
     request_timeout: Timeout = 600.0,
@@ -154,8 +159,8 @@ def worker(
     model: Model = DEFAULT_MODEL, port: Port = 8000, host: Host = "127.0.0.1",
     worker_id: WorkerId = None,
     api_workers: Annotated[int, _opt("API_WORKERS", "uvicorn worker processes (api).")] = 1,
-    api_key: ApiKey = None, max_running_requests: MaxRunning = 64,
-    max_batch_tokens: MaxBatchTokens = 512, kv_cache_mb: KvCacheMb = 512, dtype: Dtype = "auto",
+    api_key: ApiKey = None, max_running_requests: MaxRunning = None,
+    max_batch_tokens: MaxBatchTokens = None, kv_cache_mb: KvCacheMb = None, dtype: Dtype = "auto",
     quantization: Quantization = "auto", activations: Activations = "auto",
     device: Device = "auto", num_threads: Threads = None, cuda_graph_max_batch: CudaGraphs = 256,
     request_timeout: Timeout = 600.0,

@@ -127,7 +127,7 @@ def test_pipeline_serve_on_cuda_answers_the_openai_client(model_files, tmp_path)
                        if w["role"] == "scheduler"]
         assert (scheduler["device"], scheduler["dtype"], scheduler["attention"]) == (
             "cuda", "bfloat16", "flashinfer")
-        assert scheduler["cuda_graphs"] == 64  # --max-running-requests caps the buckets
+        assert scheduler["cuda_graphs"] == 256  # a GPU's default --max-running-requests
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import SchedulerConfig
+from pipeline.config import SchedulerConfig, sized
 from pipeline.errors import ConfigError, ContextLengthExceeded
 from pipeline.messages import Sampling, TokenLogprob
 from workers.scheduler.attention import (
@@ -121,6 +121,9 @@ class Engine:
             self.kernels = replace(self.kernels, qgemm=False, vnni=False)
         self.model = LlamaModel.load(Path(model_path), spec, self.device, self.dtype,
                                      self.quantization, self.kernels)
+        free_mb = (torch.cuda.mem_get_info(self.device)[0] // 2**20
+                   if self.device.type == "cuda" else 0)
+        self.config = config = sized(config, self.device.type, free_mb)
         self.model.warm(config.max_batch_tokens)
         self.backend = backend = choose_backend(config.attention_backend, self.device)
         per_block = bytes_per_block(spec.num_layers, config.block_size, spec.num_kv_heads,
