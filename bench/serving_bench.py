@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -56,11 +56,11 @@ COMMAND = ".venv/bin/python bench/serving_bench.py"
 @dataclass(frozen=True)
 class Setup:
     """Where both sides run, and what that asks of the run."""
-    device: str = "cpu"
-    levels: dict[int, int] = field(default_factory=lambda: dict(LEVELS))
-    hf_dtypes: tuple[str, ...] = HF_DTYPES
-    server_env: dict[str, str] = field(default_factory=dict)
-    results_name: str = "serving"
+    device: str
+    levels: dict[int, int]
+    hf_dtypes: tuple[str, ...]  # transformers runs in each, credited with its faster
+    server_env: dict[str, str]  # for `pipeline serve`, beside this process's
+    results_name: str  # bench/results/NAME.{json,md,png}
 
 
 def make_setup(device: str) -> Setup:
@@ -71,7 +71,7 @@ def make_setup(device: str) -> Setup:
     if device == "cuda":
         return Setup("cuda", dict(GPU_LEVELS), ("bfloat16",), dict(GPU_SERVER_ENV),
                      "serving_gpu")
-    return Setup(hf_dtypes=hf_dtypes())
+    return Setup("cpu", dict(LEVELS), hf_dtypes(), {}, "serving")
 
 
 def free_port() -> int:
