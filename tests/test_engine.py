@@ -124,6 +124,14 @@ def test_preemption_under_a_tiny_kv_budget_still_gives_correct_output(
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
+def test_the_kv_cache_fills_its_budget_and_never_exceeds_it(model_files):
+    for budget_mb in (5, 12):
+        stats = make_engine(model_files, kv_cache_mb=budget_mb).stats()
+        per_block = stats.kv_cache_bytes // stats.num_blocks
+        assert stats.kv_budget_bytes == budget_mb * 2**20
+        assert stats.kv_budget_bytes - per_block < stats.kv_cache_bytes <= stats.kv_budget_bytes
+
+
 def test_a_repeated_prompt_reuses_cached_prefix_blocks(model_files, prompt_ids, reference):
     engine = make_engine(model_files)
     first = run_all(engine, greedy_requests(prompt_ids[:1]))

@@ -29,6 +29,10 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.k, *self.v))
+
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                     dtype: torch.dtype) -> int:

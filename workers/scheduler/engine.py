@@ -55,6 +55,8 @@ class EngineStats:
     num_blocks: int
     num_preemptions: int
     num_prefix_hit_tokens: int
+    kv_cache_bytes: int  # what the cache's tensors hold
+    kv_budget_bytes: int  # --kv-cache-mb: the cache never exceeds it
 
 
 def resolve_device(name: str) -> torch.device:
@@ -240,4 +242,5 @@ class Engine:
             num_running=len(self.batcher.running), num_waiting=len(self.batcher.waiting),
             num_free_blocks=self.allocator.num_free_blocks, num_blocks=self.allocator.num_blocks,
             num_preemptions=self.batcher.num_preemptions,
-            num_prefix_hit_tokens=self.batcher.num_prefix_hit_tokens)
+            num_prefix_hit_tokens=self.batcher.num_prefix_hit_tokens,
+            kv_cache_bytes=self.cache.nbytes, kv_budget_bytes=self.config.kv_cache_mb * 2**20)
