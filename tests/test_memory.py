@@ -22,11 +22,12 @@ BENCH = Path(__file__).resolve().parent.parent / "bench" / "memory_bench.py"
 SHAPES = [(24, 8, Endpoint.completions, 0.7), (96, 2, Endpoint.chat, 0.0),
           (8, 16, Endpoint.completions, 0.0), (48, 4, Endpoint.chat, 0.0)]
 # A leak rises in every chunk of 100 requests; an allocator's high-water mark now
-# and then. (RSS hides a leak until it outgrows the free memory the allocators hold:
-# one of 30 KB a request passed here, one of 150 KB failed on the rises; the records
-# checked after the run catch a request's state left behind.) The scheduler's (~1,100 MiB, most of it weights and the KV cache) rose by
-# 16-105 MiB in one or two chunks of some fresh tiers' first 1,000 requests, and fell
-# back by up to 58 (bench/memory_bench.py; flat over 2,000 more).
+# and then. The scheduler's (~1,100 MiB, most of it weights and the KV cache) rose
+# by 16-105 MiB in one or two chunks of some fresh tiers' first 1,000 requests, and
+# fell back by up to 58 (bench/memory_bench.py; flat over 2,000 more). RSS hides a
+# leak until it outgrows the free memory the allocators hold: one of 30 KB a request
+# passed here, one of 150 KB failed on the rises; the records checked after the run
+# catch a request's state left behind.
 ALLOWED_MIB = {"scheduler": 128, "api": 8, "detokenizer": 8}  # over the 1,000
 MAX_RISES = 3  # of the 10 chunks, those over which a role grew by more than 2 MiB
 
