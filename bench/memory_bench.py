@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tier_cpu import ROLES, tier_processes  # noqa: E402  (bench/ is not a package)
+from tier_cpu import ROLES, require_tier  # noqa: E402  (bench/ is not a package)
 
 from pipeline.bench import BenchOptions, Endpoint, run_bench  # noqa: E402
 from pipeline.status import live_workers  # noqa: E402
@@ -51,7 +51,7 @@ def rss_by_role(found: dict) -> dict[str, int]:
 
 def run(base_url: str, found: dict, num_requests: int, every: int, concurrency: int,
         shapes: list[Shape] = SHAPES, seed: int = 0) -> list[Sample]:
-    """`found`: role -> its psutil processes (tier_cpu.tier_processes()); each chunk's
+    """`found`: role -> its psutil processes (tier_cpu.require_tier); each chunk's
     prompts come from its own seed, `seed` + its number."""
     samples = [Sample(0, rss_by_role(found), 0, [])]
     done = failed = 0
@@ -106,10 +106,7 @@ def main() -> None:
                         help="requests before the growth is counted")
     parser.add_argument("--json", default=None, help="write the samples here too")
     args = parser.parse_args()
-    found = tier_processes()
-    missing = [role for role in ROLES if role not in found]
-    if missing:
-        parser.error(f"no {', '.join(missing)} process found on this host")
+    found = require_tier(parser)
     samples = run(args.base_url, found, args.num_requests, args.every, args.concurrency)
     roles = sorted(samples[0].rss)
     print("| requests | " + " | ".join(f"{role} RSS MiB" for role in roles) + " | failed |")

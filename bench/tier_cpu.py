@@ -36,6 +36,15 @@ def tier_processes() -> dict[str, list[psutil.Process]]:
     return found
 
 
+def require_tier(parser: argparse.ArgumentParser) -> dict[str, list[psutil.Process]]:
+    """Every role's processes on this host; exits through `parser` if a role has none."""
+    found = tier_processes()
+    missing = [role for role in ROLES if role not in found]
+    if missing:
+        parser.error(f"no {', '.join(missing)} process found on this host")
+    return found
+
+
 def cpu_times(found: dict[str, list[psutil.Process]]) -> dict[str, tuple[float, float]]:
     """(user, system) seconds by part; a scheduler splits into its event loop (the
     main thread) and its engine (every other thread: the step's own and OpenMP's)."""
@@ -71,10 +80,7 @@ def main() -> None:
                         "took 1914 µs a token in one first run, 1670-1692 in the next two)")
     parser.add_argument("--json", default=None, help="write the figures here too")
     args = parser.parse_args()
-    found = tier_processes()
-    missing = [role for role in ROLES if role not in found]
-    if missing:
-        parser.error(f"no {', '.join(missing)} process found on this host")
+    found = require_tier(parser)
 
     def bench(num_requests: int) -> dict:
         return run_bench(BenchOptions(base_url=args.base_url, num_requests=num_requests,

@@ -3,6 +3,7 @@ it (`pipeline worker --role ...`), logs kept per process, all stopped after."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -15,6 +16,16 @@ import httpx
 import redis
 
 from pipeline.status import live_workers
+
+
+def load_bench_script(name: str):
+    """bench/NAME.py as a module (bench/ is not a package)."""
+    path = Path(__file__).resolve().parent.parent / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:

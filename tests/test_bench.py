@@ -4,14 +4,11 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import itertools
 import json
 import socket
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import typer
@@ -29,6 +26,7 @@ from pipeline.bench import (
     run_bench,
 )
 from pipeline.sse_client import sse_data
+from tests.harness import load_bench_script
 
 NUM_CHUNKS = 5
 TOKENS_PER_CHUNK = 2  # what the peer's usage claims, so usage and chunk counts differ
@@ -140,11 +138,7 @@ def test_prompts_are_reproducible_and_differ_from_their_first_words():
 def test_serving_bench_levels_share_no_prompt_opening():
     """No level in any round (nor the warm-up) reuses another's prompts: our
     prefix cache would serve their first blocks, and transformers has none."""
-    path = Path(__file__).resolve().parent.parent / "bench" / "serving_bench.py"
-    spec = importlib.util.spec_from_file_location("serving_bench", path)
-    sb = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = sb  # its dataclass looks its module up there
-    spec.loader.exec_module(sb)
+    sb = load_bench_script("serving_bench")
     for levels in (sb.LEVELS, sb.GPU_LEVELS):
         assert_no_shared_opening(sb, levels)
 
@@ -278,10 +272,7 @@ def test_tier_cpu_finds_a_tiers_processes_and_splits_the_scheduler(tier):
     """bench/tier_cpu.py beside the real tier: every role found by its command
     line, the scheduler's event loop apart from its engine, every part's CPU
     moving forward over a run."""
-    path = Path(__file__).resolve().parent.parent / "bench" / "tier_cpu.py"
-    spec = importlib.util.spec_from_file_location("tier_cpu", path)
-    tc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tc)
+    tc = load_bench_script("tier_cpu")
     found = tc.tier_processes()
     ours = {proc.pid for procs in found.values() for proc in procs}
     assert {proc.pid for proc in tier.procs} <= ours

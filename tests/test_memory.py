@@ -4,20 +4,16 @@ request leaves anything behind (bench/memory_bench.py measures the same on any t
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import psutil
 import pytest
 
 from pipeline.bench import Endpoint
 from pipeline.status import live_workers
-from tests.harness import Tier
+from tests.harness import Tier, load_bench_script
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "memory_bench.py"
 # short outputs keep the run to seconds; prompts of 8-96 words, both endpoints
 SHAPES = [(24, 8, Endpoint.completions, 0.7), (96, 2, Endpoint.chat, 0.0),
           (8, 16, Endpoint.completions, 0.0), (48, 4, Endpoint.chat, 0.0)]
@@ -30,14 +26,6 @@ SHAPES = [(24, 8, Endpoint.completions, 0.7), (96, 2, Endpoint.chat, 0.0),
 # catch a request's state left behind.
 ALLOWED_MIB = {"scheduler": 128, "api": 8, "detokenizer": 8}  # over the 1,000
 MAX_RISES = 3  # of the 10 chunks, those over which a role grew by more than 2 MiB
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("memory_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def settled(tier: Tier, timeout_s: float = 15) -> dict[str, dict]:
@@ -54,7 +42,7 @@ def settled(tier: Tier, timeout_s: float = 15) -> dict[str, dict]:
 
 @pytest.mark.timeout(600)
 def test_rss_stays_flat_over_1000_requests_and_nothing_is_left_behind(redis_url, tmp_path):
-    bench = load_bench()
+    bench = load_bench_script("memory_bench")
     tier = Tier(redis_url, f"test-{uuid.uuid4().hex[:10]}", tmp_path, dtype="auto",
                 **{"kv-cache-mb": 128})
     try:
