@@ -72,6 +72,7 @@ class RequestResult:
     e2e_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
     num_chunks: int = 0
+    done: bool = False  # the server ended the stream itself ([DONE])
     output_tokens: int | None = None  # from the server's usage; None if it sent none
     prompt_tokens: int | None = None
 
@@ -138,6 +139,7 @@ async def stream_one(client: sse_client.Client, url: str, body: dict,
     def on_event(data: bytes) -> bool:
         nonlocal last
         if data == b"[DONE]":
+            result.done = True
             return True
         last = record_chunk(result, msgspec.json.decode(data), started, last)
         return False
@@ -150,9 +152,11 @@ async def stream_one(client: sse_client.Client, url: str, body: dict,
         result.error = str(error)
         return result
     result.e2e_s = time.perf_counter() - started
-    result.ok = result.ttft_s is not None
+    # a finished reply may hold no text (a stop string at once, a lone partial
+    # character): it completed, with no first token to time
+    result.ok = result.done or result.ttft_s is not None
     if not result.ok:
-        result.error = "the stream ended without a content chunk"
+        result.error = "the stream ended without [DONE] or a content chunk"
     return result
 
 
@@ -223,8 +227,9 @@ def summarize(options: BenchOptions, model: str, results: list[RequestResult],
               duration_s: float) -> dict:
     done = [result for result in results if result.ok]
     output_tokens = sum(result.num_output_tokens for result in done)
+    timed = [result for result in done if result.ttft_s is not None]
     tpots = [(r.e2e_s - r.ttft_s) / (r.num_output_tokens - 1)
-             for r in done if r.num_output_tokens > 1]
+             for r in timed if r.num_output_tokens > 1]
     prompt_tokens = [r.prompt_tokens for r in done if r.prompt_tokens is not None]
     return {
         "options": options_record(options),
@@ -237,7 +242,7 @@ def summarize(options: BenchOptions, model: str, results: list[RequestResult],
         "total_output_tokens": output_tokens,
         "request_throughput": len(done) / duration_s,
         "output_throughput": output_tokens / duration_s,
-        "ttft_ms": describe_ms([result.ttft_s for result in done]),
+        "ttft_ms": describe_ms([result.ttft_s for result in timed]),
         "tpot_ms": describe_ms(tpots),
         "itl_ms": describe_ms([gap for result in done for gap in result.itl_s]),
         "e2e_ms": describe_ms([result.e2e_s for result in done]),

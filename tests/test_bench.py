@@ -69,9 +69,21 @@ async def peer_awkward(model: str):
     yield sse("[DONE]")
 
 
+async def peer_empty():
+    """A chat reply of one token and no text (a stop string at once, say)."""
+    yield sse({"object": "chunk", "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                   "content": ""}}]})
+    yield sse({"object": "chunk", "choices": [{"index": 0, "delta": {"content": ""},
+                                               "finish_reason": "stop"}]})
+    yield sse({"object": "chunk", "choices": [],
+               "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 1}})
+    yield sse("[DONE]")
+
+
 def peer_app() -> FastAPI:
     """Model "peer" reports usage; "no-usage" does not; "flaky" fails every other
-    request; "split", "cut" and "hang" stream awkwardly (peer_awkward)."""
+    request; "split", "cut" and "hang" stream awkwardly (peer_awkward); "empty"
+    answers with no text (peer_empty)."""
     app = FastAPI()
     numbers = itertools.count()
     app.state.clients = []  # (host, port) of each request: which connection carried it
@@ -85,6 +97,8 @@ def peer_app() -> FastAPI:
         body = await request.json()
         if body["model"] in ("split", "cut", "hang"):
             return StreamingResponse(peer_awkward(body["model"]), media_type="text/event-stream")
+        if body["model"] == "empty":
+            return StreamingResponse(peer_empty(), media_type="text/event-stream")
         if body["model"] == "flaky" and next(numbers) % 2 == 1:
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
         with_usage = body["model"] != "no-usage" and body["stream_options"]["include_usage"]
@@ -176,6 +190,15 @@ def test_bench_counts_content_chunks_when_the_server_sends_no_usage(peer_url):
     assert summary["completed"] == 3
     assert summary["total_output_tokens"] == 3 * NUM_CHUNKS
     assert summary["total_input_tokens"] is None
+
+
+def test_a_finished_reply_with_no_text_is_completed_but_not_timed(peer_url):
+    summary = run_bench(BenchOptions(base_url=peer_url, num_requests=3, model="empty",
+                                     endpoint=Endpoint.chat))
+    assert (summary["completed"], summary["failed"]) == (3, 0), summary["errors"]
+    assert summary["total_output_tokens"] == 3
+    assert summary["ttft_ms"]["p50"] is None and summary["itl_ms"]["p50"] is None
+    assert summary["e2e_ms"]["p50"] > 0
 
 
 def test_bench_counts_server_errors_as_failed_requests(peer_url):
