@@ -3,6 +3,8 @@ continuous batching, chunked prefill, preemption, prefix reuse, abort, seeds."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -130,6 +132,31 @@ def test_the_kv_cache_fills_its_budget_and_never_exceeds_it(model_files):
         per_block = stats.kv_cache_bytes // stats.num_blocks
         assert stats.kv_budget_bytes == budget_mb * 2**20
         assert stats.kv_budget_bytes - per_block < stats.kv_cache_bytes <= stats.kv_budget_bytes
+
+
+def test_stats_say_how_fast_the_engine_stepped_lately(model_files, prompt_ids):
+    engine = make_engine(model_files)
+    idle = engine.stats()
+    assert (idle.recent_steps, idle.step_ms_p50, idle.output_tokens_per_s) == (0, None, None)
+    for request in greedy_requests(prompt_ids[:3]):
+        engine.add(request)
+    steps = tokens = 0
+    started = time.perf_counter()
+    while engine.has_work():
+        tokens += sum(len(result.new_ids) for result in engine.step())
+        steps += 1
+    elapsed = time.perf_counter() - started
+    stats = engine.stats()
+    assert stats.recent_steps == steps
+    assert 3 <= tokens <= 3 * NUM_NEW  # some stop at their EOS
+    assert 0 < stats.step_ms_p50 < elapsed * 1000
+    # each prompt's tokens once (less any its prefix cache held), then one a decode
+    # (the last token sampled is never run)
+    run = sum(len(ids) for ids in prompt_ids[:3]) - stats.num_prefix_hit_tokens + tokens - 3
+    assert stats.rows_per_step == pytest.approx(run / steps, abs=0.01)
+    assert tokens / elapsed - 0.01 <= stats.output_tokens_per_s <= tokens / (steps * 1e-4)
+    engine.pace.window_s = 0.0  # every step is older than the window now
+    assert engine.stats().recent_steps == 0
 
 
 def test_a_repeated_prompt_reuses_cached_prefix_blocks(model_files, prompt_ids, reference):

@@ -63,4 +63,7 @@ def test_rss_stays_flat_over_1000_requests_and_nothing_is_left_behind(redis_url,
     assert scheduler["num_running"] == scheduler["num_waiting"] == 0
     assert scheduler["num_free_blocks"] == scheduler["num_blocks"]  # cached prefixes count free
     assert scheduler["kv_cache_bytes"] <= scheduler["kv_budget_bytes"] == 128 * 2**20
+    # the last seconds' steps reach the record (`pipeline status`) too
+    assert scheduler["recent_steps"] > 0 and scheduler["step_ms_p50"] > 0
+    assert scheduler["output_tokens_per_s"] > 0
     assert workers["api"]["in_flight"] == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from workers.scheduler.calibrate import choose_kernels, cpu_has_bf16, faster_cpu
 from workers.scheduler.cuda_graphs import DecodeGraphs
 from workers.scheduler.layers import Driver
 from workers.scheduler.model import LlamaModel, read_spec
+from workers.scheduler.pace import Pace, Step
 from workers.scheduler.sampler import Sampled, Sampler
 from workers.scheduler.sequence import Sequence
 
@@ -57,6 +59,11 @@ class EngineStats:
     num_prefix_hit_tokens: int
     kv_cache_bytes: int  # what the cache's tensors hold
     kv_budget_bytes: int  # --kv-cache-mb: the cache never exceeds it
+    # the steps of the last pace.WINDOW_S seconds (None where there were none)
+    recent_steps: int
+    step_ms_p50: float | None
+    rows_per_step: float | None
+    output_tokens_per_s: float | None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -148,6 +155,7 @@ class Engine:
         self.max_context = min(spec.max_position, usable * config.block_size)
         self.arrivals = itertools.count()
         self.done_on_arrival: list[StepResult] = []  # nothing left to generate
+        self.pace = Pace()
 
     def _capture(self, max_batch: int, scratch_block: int) -> DecodeGraphs:
         try:
@@ -197,8 +205,10 @@ class Engine:
         plan = self.batcher.schedule()
         if not plan.chunks:
             return results
-        sampled = self.run(plan)
-        return results + self.postprocess(plan, sampled)
+        started = time.perf_counter()
+        stepped = self.postprocess(plan, self.run(plan))
+        self.pace.record(Step(started, time.perf_counter(), plan.num_tokens, len(stepped)))
+        return results + stepped
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> Sampled:
@@ -243,4 +253,5 @@ class Engine:
             num_free_blocks=self.allocator.num_free_blocks, num_blocks=self.allocator.num_blocks,
             num_preemptions=self.batcher.num_preemptions,
             num_prefix_hit_tokens=self.batcher.num_prefix_hit_tokens,
-            kv_cache_bytes=self.cache.nbytes, kv_budget_bytes=self.config.kv_cache_mb * 2**20)
+            kv_cache_bytes=self.cache.nbytes, kv_budget_bytes=self.config.kv_cache_mb * 2**20,
+            **self.pace.summary(time.perf_counter()))
