@@ -29,9 +29,7 @@ from pipeline.status import live_workers  # noqa: E402
 
 MiB = 2**20
 Shape = tuple[int, int, Endpoint, float]  # prompt words, max tokens, endpoint, temperature
-# a chunk takes the next shape in turn. Sampled shapes are long enough to show text:
-# pipeline bench fails a stream with none (a few sampled tokens can all be special or
-# parts of one unfinished UTF-8 character, which the text drops at the end)
+# a chunk takes the next shape in turn
 SHAPES: list[Shape] = [(24, 16, Endpoint.completions, 0.7), (160, 4, Endpoint.chat, 0.0),
                        (8, 64, Endpoint.completions, 0.0), (64, 32, Endpoint.chat, 0.7)]
 

@@ -28,7 +28,7 @@ from workers.scheduler.calibrate import choose_kernels, cpu_has_bf16, faster_cpu
 from workers.scheduler.cuda_graphs import DecodeGraphs
 from workers.scheduler.layers import Driver
 from workers.scheduler.model import LlamaModel, read_spec
-from workers.scheduler.pace import Pace, Step
+from workers.scheduler.pace import Pace, StepRecord
 from workers.scheduler.sampler import Sampled, Sampler
 from workers.scheduler.sequence import Sequence
 
@@ -207,7 +207,7 @@ class Engine:
             return results
         started = time.perf_counter()
         stepped = self.postprocess(plan, self.run(plan))
-        self.pace.record(Step(started, time.perf_counter(), plan.num_tokens, len(stepped)))
+        self.pace.record(StepRecord(started, time.perf_counter(), plan.num_tokens, len(stepped)))
         return results + stepped
 
     @torch.inference_mode()

@@ -13,7 +13,7 @@ MAX_STEPS = 8192  # 30 s of 3.7 ms steps; a faster engine keeps its last 8192
 
 
 @dataclass(frozen=True)
-class Step:
+class StepRecord:
     started: float  # time.perf_counter()
     ended: float
     rows: int  # tokens run: one per decode, a chunk's per prefill
@@ -23,9 +23,9 @@ class Step:
 @dataclass
 class Pace:
     window_s: float = WINDOW_S
-    steps: deque[Step] = field(default_factory=lambda: deque(maxlen=MAX_STEPS))
+    steps: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=MAX_STEPS))
 
-    def record(self, step: Step) -> None:
+    def record(self, step: StepRecord) -> None:
         self.steps.append(step)
 
     def summary(self, now: float) -> dict[str, float | int | None]:
