@@ -10,7 +10,8 @@ that the prefix cache keeps turning over and every kind of request runs many tim
 Flat means: from the first sample after --settle requests (lazy setup and the
 allocators' first growth) to the last, each role's RSS grows by nothing per request.
 An allocator's high-water mark may still rise now and then (the scheduler's by 16-35
-MiB once in some fresh tiers' first 1,000 requests); a leak rises in nearly every chunk."""
+MiB once in some fresh tiers' first 1,000 requests), and on some hosts its RSS swings
+by tens of MiB up and down; a leak sets a new high in nearly every chunk."""
 
 from __future__ import annotations
 
@@ -74,12 +75,14 @@ def growth_mib(samples: list[Sample], role: str, settle: int) -> float:
     return (samples[-1].rss[role] - start.rss[role]) / MiB
 
 
-def rises(samples: list[Sample], role: str, settle: int, over_mib: float = 2.0) -> int:
-    """Chunks past `settle` over which `role` grew by more than `over_mib`: a leak grows
-    in nearly every chunk, an allocator's high-water mark in one now and then."""
-    kept = [s for s in samples if s.requests >= settle]
-    steps = zip(kept, kept[1:], strict=False)
-    return sum((b.rss[role] - a.rss[role]) / MiB > over_mib for a, b in steps)
+def new_highs(samples: list[Sample], role: str, settle: int, over_mib: float = 2.0) -> int:
+    """Chunks past `settle` that left `role` more than `over_mib` above its highest RSS
+    so far: a leak sets a new high in nearly every chunk, while an allocator that
+    hands memory back and takes it again (glibc's arenas swing the scheduler by tens
+    of MiB on some hosts) only touches its old peak."""
+    kept = [s.rss[role] for s in samples if s.requests >= settle]
+    peaks = [max(kept[:i]) for i in range(1, len(kept))]
+    return sum((rss - peak) / MiB > over_mib for peak, rss in zip(peaks, kept[1:], strict=True))
 
 
 def kv_report(redis_url: str, prefix: str) -> list[str]:
@@ -116,8 +119,8 @@ def main() -> None:
         print(f"error: {error}")
     for role in roles:
         print(f"{role}: {growth_mib(samples, role, args.settle):+.1f} MiB from request "
-              f"{args.settle} to {samples[-1].requests}, rising over 2 MiB in "
-              f"{rises(samples, role, args.settle)} of its chunks")
+              f"{args.settle} to {samples[-1].requests}, a new high (by over 2 MiB) in "
+              f"{new_highs(samples, role, args.settle)} of its chunks")
     if args.redis_url:
         print("\n".join(kv_report(args.redis_url, args.prefix)))
     if args.json:
