@@ -107,9 +107,10 @@ class Frontend:
 
     async def generate(
         self, prompt_ids: list[int], sampling: Sampling, request_id: str | None = None,
-        timeout_s: float | None = None,
+        timeout_s: float | None = None, stream_interval: int = 1,
     ) -> AsyncIterator[Delta]:
-        """Submit one request and yield its deltas; raises the request's error, or
+        """Submit one request and yield its deltas, each of `stream_interval` tokens
+        (0: one delta when it finishes; Submit's field); raises the request's error, or
         RequestTimeout once `timeout_s` (default: the config's) has passed.
         The deadline arrives as an event in the request's queue, not as a
         cancellation, so a caller may iterate this in its own task, suspended
@@ -121,7 +122,8 @@ class Frontend:
         timeout_s = self.config.request_timeout_s if timeout_s is None else timeout_s
         deadline_ms = int((time.time() + timeout_s) * 1000)
         submit = Submit(request_id=request_id, reply_to=self.reply_to, prompt_ids=prompt_ids,
-                        sampling=sampling, deadline_ms=deadline_ms)
+                        sampling=sampling, deadline_ms=deadline_ms,
+                        stream_interval=stream_interval)
         state = RequestState(submit)
         self.states[request_id] = state
         loop = asyncio.get_running_loop()

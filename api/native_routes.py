@@ -47,7 +47,7 @@ async def generate(body: GenerateRequest, request: Request, s: ServedDep):
     request_id = uuid.uuid4().hex
     response_id = body.rid or request_id
     events = choice_events(s.frontend, prompt_ids, [sampling], request_id,
-                           s.config.request_timeout_s)
+                           s.config.request_timeout_s, s.delta_interval(body.stream))
     tokenizer = s.tokenizer if body.return_logprob else None
     if body.stream:
         return EventStream(_cumulative(response_id, prompt_ids, tokenizer, await started(events)))

@@ -94,7 +94,7 @@ def _job(body: OpenAIRequest, s: Served, is_chat: bool, prompt_ids: list[int],
 
 async def _run(job: Job, stream: bool, request: Request, s: Served):
     events = choice_events(s.frontend, job.prompt_ids, job.samplings, job.response_id,
-                           s.config.request_timeout_s)
+                           s.config.request_timeout_s, s.delta_interval(stream))
     if stream:
         return EventStream(stream_chunks(job, s.tokenizer, await started(events)))
     return whole_response(job, s.tokenizer, await collect(request, events, len(job.samplings)))

@@ -33,6 +33,11 @@ class Served:
                 param="model",
             )
 
+    def delta_interval(self, stream: bool) -> int:
+        """Tokens a delta from the scheduler carries: a streamed response's chunk, or
+        (0) the whole output at once for a response the client gets whole."""
+        return self.config.stream_interval if stream else 0
+
 
 async def served(request: Request) -> Served:
     """Async so that FastAPI calls it on the event loop: a plain function

@@ -47,14 +47,16 @@ def per_choice(sampling: Sampling, n: int) -> list[Sampling]:
 
 async def choice_events(
     frontend: Frontend, prompt_ids: list[int], samplings: list[Sampling], request_id: str,
-    timeout_s: float,
+    timeout_s: float, stream_interval: int,
 ) -> AsyncIterator[Event]:
-    """Every choice's deltas as they come; each choice's own deltas stay in order.
+    """Every choice's deltas as they come (`stream_interval`: Frontend.generate's);
+    each choice's own deltas stay in order.
     The first failure of any choice is raised and the other choices are cancelled.
     One choice (n = 1, nearly every request) is read in the caller's task: no
     task or queue between the frontend and the response, a hop less a token."""
     if len(samplings) == 1:
-        deltas = frontend.generate(prompt_ids, samplings[0], f"{request_id}-0", timeout_s)
+        deltas = frontend.generate(prompt_ids, samplings[0], f"{request_id}-0", timeout_s,
+                                   stream_interval)
         async with aclosing(deltas):
             async for delta in deltas:
                 yield 0, delta
@@ -64,7 +66,7 @@ async def choice_events(
     async def run(index: int, sampling: Sampling) -> None:
         try:
             async for delta in frontend.generate(prompt_ids, sampling, f"{request_id}-{index}",
-                                                 timeout_s):
+                                                 timeout_s, stream_interval):
                 queue.put_nowait((index, delta))
         except Exception as error:  # handed to the consumer, which raises it
             queue.put_nowait((index, error))

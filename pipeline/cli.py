@@ -61,6 +61,9 @@ CudaGraphs = Annotated[int, _opt("CUDA_GRAPH_MAX_BATCH", "On CUDA with flashinfe
                                  "of up to this many requests replay CUDA graphs; 0: off.")]
 Timeout = Annotated[float, _opt("REQUEST_TIMEOUT", "Seconds before a request is abandoned.")]
 MaxQueued = Annotated[int, _opt("MAX_QUEUED_REQUESTS", "In-flight requests per api before 503.")]
+StreamInterval = Annotated[int, _opt("STREAM_INTERVAL", "Tokens a streamed response's chunk "
+                                     "carries (the last may carry fewer); more: less CPU a "
+                                     "token under load, coarser streaming.", min=1)]
 WorkerId = Annotated[str | None, typer.Option("--id", envvar="PIPELINE_WORKER_ID",
                                              help="Stable worker id (default: random).")]
 AliveTtl = Annotated[float, _opt("ALIVE_TTL_S", "A worker silent this long is presumed dead "
@@ -74,13 +77,13 @@ def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: in
                  quantization: str, activations: str, device: str,
                  num_threads: int | None, cuda_graph_max_batch: int,
                  request_timeout: float, max_queued_requests: int,
-                 alive_ttl_s: float) -> Config:
+                 alive_ttl_s: float, stream_interval: int) -> Config:
     return Config(
         model=model,
         redis=RedisConfig(url=redis_url, prefix=prefix, alive_ttl_s=alive_ttl_s,
                           heartbeat_s=min(1.0, alive_ttl_s / 4)),
         api=ApiConfig(host=host, port=port, api_key=api_key, request_timeout_s=request_timeout,
-                      max_queued_requests=max_queued_requests),
+                      max_queued_requests=max_queued_requests, stream_interval=stream_interval),
         scheduler=SchedulerConfig(max_running_requests=max_running_requests,
                                   max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb,
                                   dtype=dtype, quantization=quantization,
@@ -104,6 +107,7 @@ def child_env(config: Config, redis_url: str, log_level: str, api_workers: int) 
         "CUDA_GRAPH_MAX_BATCH": config.scheduler.cuda_graph_max_batch,
         "REQUEST_TIMEOUT": config.api.request_timeout_s,
         "MAX_QUEUED_REQUESTS": config.api.max_queued_requests, "LOG_LEVEL": log_level,
+        "STREAM_INTERVAL": config.api.stream_interval,
         "ALIVE_TTL_S": config.redis.alive_ttl_s,
     }
     return {f"PIPELINE_{name}": str(value) for name, value in values.items() if value is not None}
@@ -127,7 +131,7 @@ def serve(
     device: Device = "auto", num_threads: Threads = None, cuda_graph_max_batch: CudaGraphs = 256,
     request_timeout: Timeout = 600.0,
     max_queued_requests: MaxQueued = 1024, alive_ttl_s: AliveTtl = 5.0,
-    log_level: LogLevel = "info",
+    stream_interval: StreamInterval = 1, log_level: LogLevel = "info",
 ) -> None:
     """Run every role as its own process, plus an embedded Redis when no URL is given."""
     from pipeline.supervisor import serve_forever
@@ -146,7 +150,8 @@ def serve(
         quantization=quantization, activations=activations, device=device,
         num_threads=num_threads, cuda_graph_max_batch=cuda_graph_max_batch,
         request_timeout=request_timeout,
-        max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s)
+        max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s,
+        stream_interval=stream_interval)
     counts = {"api": api_workers, "scheduler": schedulers, "detokenizer": detokenizers}
     raise typer.Exit(serve_forever(config, counts, lambda url: child_env(config, url, log_level,
                                                                          api_workers)))
@@ -165,7 +170,7 @@ def worker(
     device: Device = "auto", num_threads: Threads = None, cuda_graph_max_batch: CudaGraphs = 256,
     request_timeout: Timeout = 600.0,
     max_queued_requests: MaxQueued = 1024, alive_ttl_s: AliveTtl = 5.0,
-    log_level: LogLevel = "info",
+    stream_interval: StreamInterval = 1, log_level: LogLevel = "info",
 ) -> None:
     """Run exactly one role against a shared Redis."""
     from pipeline.roles import run_role
@@ -178,7 +183,8 @@ def worker(
         quantization=quantization, activations=activations, device=device,
         num_threads=num_threads, cuda_graph_max_batch=cuda_graph_max_batch,
         request_timeout=request_timeout,
-        max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s)
+        max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s,
+        stream_interval=stream_interval)
     config = _with_worker_id(config, role, worker_id)
     run_role(role.value, config, api_workers=api_workers)
 

@@ -29,6 +29,7 @@ class ApiConfig:
     request_timeout_s: float = 600.0
     max_body_bytes: int = 4 * 1024 * 1024
     max_n: int = 8
+    stream_interval: int = 1  # tokens a streamed delta carries; 1: each as it is made
 
 
 @dataclass(frozen=True)

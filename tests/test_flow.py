@@ -119,3 +119,56 @@ def test_generate_route_returns_text_and_ids(tier, reference):
     assert isinstance(out["text"], str) and out["text"]
     assert len(out["output_ids"]) == out["meta_info"]["completion_tokens"] <= 8
     assert ids["choices"][0]["message"]["content"] == reference[prompt]
+
+
+@pytest.fixture(scope="module")
+def chunky_url(tier):
+    """A second api on the same tier, whose streamed chunks carry 4 tokens each."""
+    url = tier.start_api(**{"stream-interval": 4})
+    proc, port = tier.procs[-1], tier.api_ports[-1]
+    try:
+        tier.wait_ready()
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        tier.procs.remove(proc)
+        tier.api_ports.remove(port)
+
+
+def stream_completion(base_url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body | {"stream": True},
+                      timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        return read_sse(response)
+
+
+def test_a_stream_interval_of_4_sends_4_tokens_a_chunk_and_the_same_text(tier, chunky_url):
+    body = {"prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1, "stream_options": {"include_usage": True}}
+    runs = {}
+    for name, url in (("each", tier.base_url), ("by 4", chunky_url)):
+        events = stream_completion(url, body)
+        choices = [c for e in events for c in e["choices"]]
+        runs[name] = {"tokens": [len(c["logprobs"]["tokens"]) for c in choices],
+                      "text": "".join(c["text"] for c in choices),
+                      "finish": [c["finish_reason"] for c in choices if c["finish_reason"]],
+                      "usage": events[-1]["usage"]}
+    assert runs["each"]["tokens"] == [1] * 10
+    assert runs["by 4"]["tokens"] == [4, 4, 2]  # the finishing chunk carries the rest
+    for key in ("text", "finish", "usage"):
+        assert runs["by 4"][key] == runs["each"][key]
+
+
+def test_stop_strings_under_min_tokens_end_the_text_alike_at_any_interval(tier, chunky_url):
+    """A stop string completed before min_tokens does not count; held tokens must
+    not let the detokenizer cut at it (a space stops at the first one after 7 tokens)."""
+    body = {"prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0, "stop": [" "],
+            "min_tokens": 7}
+    each = "".join(c["text"] for e in stream_completion(tier.base_url, body)
+                   for c in e["choices"])
+    by_4 = "".join(c["text"] for e in stream_completion(chunky_url, body) for c in e["choices"])
+    whole = httpx.post(f"{tier.base_url}/v1/completions", json=body,
+                       timeout=120).json()["choices"][0]["text"]  # sent when finished
+    assert len(each.split(" ")) >= 4, each  # several spaces came before the stop
+    assert by_4 == whole == each, (by_4, whole, each)

@@ -52,6 +52,7 @@ def test_a_submit_from_an_older_writer_without_newer_fields_still_decodes():
     raw = encode(OldSubmit(request_id="r", reply_to="x", prompt_ids=[1], sampling=Sampling()))
     decoded = requests_decoder.decode(raw)
     assert decoded.output_ids == [] and decoded.attempt == 0 and decoded.deadline_ms is None
+    assert decoded.stream_interval == 1  # every token as it is made, as before the field
 
 
 def test_a_step_output_from_an_older_writer_with_fewer_array_fields_still_decodes():

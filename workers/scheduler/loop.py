@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import msgspec
 
@@ -21,6 +21,7 @@ from pipeline.messages import (
     StepOutput,
     Submit,
     TokenBatch,
+    TokenLogprob,
     control_decoder,
     requests_decoder,
 )
@@ -60,6 +61,20 @@ class Running:
     submit: Submit
     entry_id: str
     output_ids: list[int]  # everything the client will have: delivered before + generated here
+    sent: int  # of output_ids, those on their way to the client; the rest are held
+    held_logprobs: list[TokenLogprob] = field(default_factory=list)  # the held ids'
+
+    def due(self, finish: str | None) -> bool:
+        """Whether the held ids go out now (Submit.stream_interval). Until min_tokens
+        the ids go out step by step when there are stop strings: a stop string
+        completed before min_tokens does not count, and the detokenizer cuts the
+        text at the first one in the ids it is sent."""
+        interval, sampling = self.submit.stream_interval, self.submit.sampling
+        if finish is not None or interval == 1:
+            return True
+        if sampling.stop and len(self.output_ids) < sampling.min_tokens:
+            return True
+        return interval > 1 and len(self.output_ids) - self.sent >= interval
 
 
 class Scheduler:
@@ -254,7 +269,8 @@ class Scheduler:
                                         error.detail, submit.attempt))
             self.to_ack.append(entry_id)
             return
-        self.running[submit.request_id] = Running(submit, entry_id, list(submit.output_ids))
+        self.running[submit.request_id] = Running(submit, entry_id, list(submit.output_ids),
+                                                  len(submit.output_ids))
 
     def check(self, submit: Submit) -> None:
         """Entries can be written by anyone with access to Redis: trust nothing."""
@@ -263,15 +279,16 @@ class Scheduler:
             raise InvalidRequest(f"token ids must be in [0, {self.tokenizer.vocab_size})")
         if submit.sampling.max_tokens < 1:
             raise InvalidRequest("max_tokens must be at least 1")
+        if submit.stream_interval < 0:
+            raise InvalidRequest("stream_interval must be 0 (when finished) or more")
 
     def output_for(self, result: StepResult) -> StepOutput | None:
         run = self.running.get(result.request_id)
         if run is None or not result.new_ids:
             return None
         sampling = run.submit.sampling
-        offset = len(run.output_ids)
-        prefix = run.output_ids[max(0, offset - stop_window(sampling.stop)):]
         run.output_ids.extend(result.new_ids)
+        run.held_logprobs.extend(result.logprobs or [])
         finish, matched = result.finish, None
         if sampling.stop and len(run.output_ids) >= sampling.min_tokens:
             matched = find_stop(self.tokenizer, run.output_ids, len(result.new_ids),
@@ -282,9 +299,15 @@ class Scheduler:
                     self.engine.abort(result.request_id)
         if finish is not None:
             self.to_ack.append(self.running.pop(result.request_id).entry_id)
-        return StepOutput(result.request_id, run.submit.reply_to, offset, result.new_ids, prefix,
-                          finish, sampling.stop, matched, result.logprobs, run.submit.attempt,
-                          sampling.skip_special_tokens)
+        if not run.due(finish):
+            return None
+        offset, run.sent = run.sent, len(run.output_ids)
+        prefix = run.output_ids[max(0, offset - stop_window(sampling.stop)):offset]
+        logprobs = run.held_logprobs if result.logprobs is not None else None
+        run.held_logprobs = []
+        return StepOutput(result.request_id, run.submit.reply_to, offset,
+                          run.output_ids[offset:], prefix, finish, sampling.stop, matched,
+                          logprobs, run.submit.attempt, sampling.skip_special_tokens)
 
     def emit(self, results: list[StepResult]) -> None:
         """Queue a step's outputs for the next flush."""
