@@ -209,7 +209,7 @@ class Frontend:
     async def _refresh_liveness(self) -> None:
         ttl_s = self.redis_config.alive_ttl_s
         info = {"role": "api", "id": self.frontend_id, "in_flight": len(self.states),
-                "reply_to": self.reply_to}
+                "reply_to": self.reply_to, "stream_interval": self.config.stream_interval}
         await self.client.heartbeat(self.keys.alive("api", self.frontend_id), info, ttl_s)
         # a dead frontend's reply stream expires by itself
         if not await self.client.redis.pexpire(self.reply_to, int(ttl_s * 1000) * 6):

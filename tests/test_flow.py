@@ -8,6 +8,8 @@ import json
 import httpx
 import pytest
 
+from pipeline.status import live_workers
+
 PROMPTS = [
     "What is the capital of France?",
     "Name three primary colors.",
@@ -155,6 +157,8 @@ def test_a_stream_interval_of_4_sends_4_tokens_a_chunk_and_the_same_text(tier, c
                       "finish": [c["finish_reason"] for c in choices if c["finish_reason"]],
                       "usage": events[-1]["usage"]}
     assert runs["each"]["tokens"] == [1] * 10
+    apis = [w for w in live_workers(tier.redis_url, tier.prefix) if w["role"] == "api"]
+    assert sorted(w["stream_interval"] for w in apis) == [1, 4]  # as `pipeline status` shows
     assert runs["by 4"]["tokens"] == [4, 4, 2]  # the finishing chunk carries the rest
     for key in ("text", "finish", "usage"):
         assert runs["by 4"][key] == runs["each"][key]
