@@ -159,7 +159,7 @@ def test_a_stream_interval_of_4_sends_4_tokens_a_chunk_and_the_same_text(tier, c
     assert runs["each"]["tokens"] == [1] * 10
     apis = [w for w in live_workers(tier.redis_url, tier.prefix) if w["role"] == "api"]
     assert sorted(w["stream_interval"] for w in apis) == [1, 4]  # as `pipeline status` shows
-    assert runs["by 4"]["tokens"] == [4, 4, 2]  # the finishing chunk carries the rest
+    assert runs["by 4"]["tokens"] == [1, 4, 4, 1]  # the first at once; the finish, the rest
     for key in ("text", "finish", "usage"):
         assert runs["by 4"][key] == runs["each"][key]
 
