@@ -28,6 +28,12 @@ def load_bench_script(name: str):
     return module
 
 
+def worker_env() -> dict[str, str]:
+    """This environment less its PIPELINE_* settings: a worker gets only the options
+    a test gives it, whatever the shell running the tests has set."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_")}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -59,7 +65,7 @@ class Tier:
         for name, value in (self.options | options).items():
             cmd += [f"--{name}", str(value)]
         log = open(self.log_dir / f"{role}-{len(self.procs)}.log", "w")
-        env = os.environ | {"TOKENIZERS_PARALLELISM": "false"}
+        env = worker_env() | {"TOKENIZERS_PARALLELISM": "false"}
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.procs.append(proc)
         return proc

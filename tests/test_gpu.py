@@ -7,7 +7,6 @@ in rounding, so not exactly)."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 
@@ -18,7 +17,7 @@ import torch
 from pipeline.config import SchedulerConfig
 from pipeline.messages import Sampling
 from pipeline.status import live_workers
-from tests.harness import free_port
+from tests.harness import free_port, worker_env
 from workers.scheduler.engine import Engine, EngineRequest
 
 pytestmark = [
@@ -102,8 +101,7 @@ def test_pipeline_serve_on_cuda_answers_the_openai_client(model_files, tmp_path)
     """The whole tier as a user starts it on a GPU host: embedded Redis, every role, the
     scheduler on CUDA in its default dtype with graphs; the real model answers."""
     port = free_port()
-    env = os.environ.copy()
-    env.pop("PIPELINE_REDIS_URL", None)
+    env = worker_env()
     with (tmp_path / "serve.log").open("w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--port",
                                  str(port), "--device", "cuda"], stdout=subprocess.PIPE,

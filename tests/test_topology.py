@@ -4,7 +4,6 @@ sharing one scheduler and detokenizer, and `pipeline serve` on the embedded Redi
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import uuid
 import httpx
 import psutil
 
-from tests.harness import Tier, free_port
+from tests.harness import Tier, free_port, worker_env
 
 
 async def _ask(client: httpx.AsyncClient, base_url: str, i: int) -> tuple[str, str, dict]:
@@ -62,8 +61,7 @@ def _tree(pid: int) -> list[int]:
 
 def test_pipeline_serve_answers_on_embedded_redis_and_leaves_nothing_on_sigterm(tmp_path):
     port = free_port()
-    env = os.environ | {"PIPELINE_LOG_LEVEL": "warning", "PIPELINE_DTYPE": "float32"}
-    env.pop("PIPELINE_REDIS_URL", None)
+    env = worker_env() | {"PIPELINE_LOG_LEVEL": "warning", "PIPELINE_DTYPE": "float32"}
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=log, env=env, text=True)
