@@ -50,6 +50,24 @@ def test_a_killed_scheduler_s_requests_finish_on_another_exactly_as_undisturbed(
     assert all(o.error is None for o in got)
 
 
+def test_tokens_a_killed_scheduler_held_back_are_made_again_by_another(own_redis7, make_tier):
+    """--stream-interval 4: the dead scheduler held up to 3 tokens of each stream
+    that no client had; the continuation starts after the delivered ones."""
+    tier = make_tier(own_redis7.url, **{"max-running-requests": "8"})
+    victim = tier.start("scheduler")
+    tier.start("scheduler")
+    tier.start("detokenizer")
+    url = tier.start_api(**{"stream-interval": "4"})
+    tier.wait_ready(schedulers=2)
+    texts = prompts(NUM_STREAMS)
+    reference = asyncio.run(stream_many(url, texts, 30))  # 1 + 7 chunks of 4 + 1
+    got, recovery_s = _kill_after_start(url, victim, texts, 30)
+    figures = report("scheduler -9, interval 4", reference, got,
+                     recovery_s=round(recovery_s, 2))
+    assert figures["lost"] == 0 and figures["differing"] == 0
+    assert all(o.error is None and o.finish == "length" for o in got)
+
+
 def test_a_killed_and_restarted_detokenizer_loses_and_duplicates_nothing(embedded_redis,
                                                                          make_tier):
     tier = make_tier(embedded_redis.url)
