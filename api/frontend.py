@@ -109,8 +109,9 @@ class Frontend:
         self, prompt_ids: list[int], sampling: Sampling, request_id: str | None = None,
         timeout_s: float | None = None, stream_interval: int = 1,
     ) -> AsyncIterator[Delta]:
-        """Submit one request and yield its deltas, each of `stream_interval` tokens
-        (0: one delta when it finishes; Submit's field); raises the request's error, or
+        """Submit one request and yield its deltas, as `stream_interval` gathers them
+        (Submit's field: the first token, then N at a time; 0: one delta when it
+        finishes); raises the request's error, or
         RequestTimeout once `timeout_s` (default: the config's) has passed.
         The deadline arrives as an event in the request's queue, not as a
         cancellation, so a caller may iterate this in its own task, suspended

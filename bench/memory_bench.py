@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -81,8 +82,8 @@ def new_highs(samples: list[Sample], role: str, settle: int, over_mib: float = 2
     hands memory back and takes it again (glibc's arenas swing the scheduler by tens
     of MiB on some hosts) only touches its old peak."""
     kept = [s.rss[role] for s in samples if s.requests >= settle]
-    peaks = [max(kept[:i]) for i in range(1, len(kept))]
-    return sum((rss - peak) / MiB > over_mib for peak, rss in zip(peaks, kept[1:], strict=True))
+    peaks = accumulate(kept, max)  # each the highest up to and with its sample
+    return sum((rss - peak) / MiB > over_mib for peak, rss in zip(peaks, kept[1:], strict=False))
 
 
 def kv_report(redis_url: str, prefix: str) -> list[str]:

@@ -44,8 +44,9 @@ class Submit(Struct, frozen=True, tag="submit", kw_only=True):
     deadline_ms: int | None = None  # unix epoch ms; not started after this
     output_ids: list[int] = []
     attempt: int = 0
-    # tokens the scheduler gathers before it sends them on (the finishing delta may
-    # carry fewer); 1: every token as it is made; 0: all at once when finished
+    # tokens the scheduler gathers before it sends them on, after a run's first token,
+    # which goes at once (the finishing delta may carry fewer); 1: every token as it
+    # is made; 0: all at once when finished
     stream_interval: int = 1
 
 
