@@ -4,7 +4,8 @@ same host, on the serving bench's prompts; quiet, and beside a process that is
 busy B ms in every P (standing in for the tier's other processes on 2 cores).
 Prints each round's median decode step and the ratio grouped / layer by layer.
 Run: .venv/bin/python bench/grouped_steps.py --rows 64 --burst 0.5/3
-(--rows 16 --min-group-rows 4: steps serving leaves ungrouped, grouped anyway)"""
+(--rows 16 --min-group-rows 4: steps serving leaves ungrouped, grouped anyway;
+--against-groups 3: grouped against grouped with 3 groups a thread, not layer by layer)"""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from pipeline.tokenizer import Tokenizer
 from workers.scheduler import layers
 from workers.scheduler.engine import Engine, EngineRequest
 
+SERVED_GROUPS = layers.MAX_GROUPS
+
 BUSY = """import sys, time
 busy, period = float(sys.argv[1]) / 1e3, float(sys.argv[2]) / 1e3
 while True:
@@ -32,10 +35,16 @@ while True:
 """
 
 
+# what the steps are paired against: None, layer by layer; else grouped with this
+# many groups a thread (layers.MAX_GROUPS) instead of serving's own
+AGAINST_GROUPS: int | None = None
+
+
 def timed_step(engine: Engine, kinds: dict[str, list[float]]) -> None:
     """One step, grouped or layer by layer, whichever has run fewer."""
     kind = "grouped" if len(kinds["grouped"]) < len(kinds["layers"]) else "layers"
-    engine.model.driver.grouped = kind == "grouped"
+    engine.model.driver.grouped = kind == "grouped" or AGAINST_GROUPS is not None
+    layers.MAX_GROUPS = AGAINST_GROUPS if kind == "layers" and AGAINST_GROUPS else SERVED_GROUPS
     started = time.perf_counter()
     engine.step()
     kinds[kind].append(1000 * (time.perf_counter() - started))
@@ -69,7 +78,11 @@ def main() -> None:
     parser.add_argument("--burst", default="0.5/3", help="B/P: busy B ms in every P; none")
     parser.add_argument("--min-group-rows", type=int, default=layers.MIN_GROUP_ROWS,
                         help="smaller groups, to group steps of fewer rows than serving does")
+    parser.add_argument("--against-groups", type=int, default=None,
+                        help="pair grouped steps against N groups a thread, not layer by layer")
     args = parser.parse_args()
+    global AGAINST_GROUPS
+    AGAINST_GROUPS = args.against_groups
     layers.MIN_GROUP_ROWS = args.min_group_rows
     burst = None if args.burst == "none" else tuple(map(float, args.burst.split("/")))
     model = resolve_model(DEFAULT_MODEL)
@@ -82,11 +95,13 @@ def main() -> None:
         steps = one_round(engine, tokenizer, args.rows, 1000 + round_, beside)
         decode = {kind: statistics.median(times) for kind, times in steps["decode"].items()}
         prefill = steps["prefill"]
+        other = (f"{args.against_groups} groups a thread" if args.against_groups
+                 else "layer by layer")
         print(f"round {round_ + 1} ({'beside the busy process' if beside else 'quiet'}): "
               f"{args.rows}-row decode step {decode['grouped']:.1f} ms grouped, "
-              f"{decode['layers']:.1f} layer by layer: {decode['grouped'] / decode['layers']:.3f}x"
+              f"{decode['layers']:.1f} {other}: {decode['grouped'] / decode['layers']:.3f}x"
               f"; prefill steps {[round(t) for t in prefill['grouped']]} grouped, "
-              f"{[round(t) for t in prefill['layers']]} layer by layer", flush=True)
+              f"{[round(t) for t in prefill['layers']]} {other}", flush=True)
 
 
 if __name__ == "__main__":
