@@ -56,7 +56,7 @@ class Step(ctypes.Structure):
 # the time at 16 rows (weights streamed), 1.04-1.06x at 32, 0.97-1.03x at 48, and at
 # 64 0.95-1.0x with the host quiet, 0.92-0.95x beside a process busy 0.5 ms in every 3.
 # There, 4 groups at 64 rows took 0.94-1.0x (6: 0.95-1.0x); on an AMD Zen 5, 4 groups
-# of 16 took 0.94-0.99x the time of 6 of ~11, quiet or busy (12 paired rounds, median
+# of 16 took 0.94-1.02x the time of 6 of ~11, quiet or busy (26 paired rounds, median
 # 0.97): each group streams every weight once, and with 2 groups a thread one thread
 # still runs the other's next layer while the OS holds that one.
 MIN_GROUP_ROWS, MIN_GROUPS, MAX_GROUPS = 10, 2, 2  # the last two per thread
