@@ -171,19 +171,14 @@ class Engine:
         waiting_blocks = sum(self.allocator.blocks_needed(s.num_tokens) for s in batcher.waiting)
         return max(0, min(room, self.allocator.num_free_blocks - waiting_blocks))
 
-    def check(self, request: EngineRequest) -> None:
-        """Raise what `add` would: reads nothing a step changes, so any thread may ask."""
+    def add(self, request: EngineRequest) -> None:
+        sampling = request.sampling
         num_tokens = len(request.prompt_ids) + len(request.output_ids)
-        remaining = max(0, request.sampling.max_tokens - len(request.output_ids))
+        remaining = max(0, sampling.max_tokens - len(request.output_ids))
         if num_tokens + remaining > self.max_context:
             raise ContextLengthExceeded(
                 f"{num_tokens} tokens plus {remaining} to generate exceed the context of "
                 f"{self.max_context} tokens", param="max_tokens")
-
-    def add(self, request: EngineRequest) -> None:
-        self.check(request)
-        sampling = request.sampling
-        remaining = max(0, sampling.max_tokens - len(request.output_ids))
         if remaining == 0:
             self.done_on_arrival.append(StepResult(request.request_id, [], "length", None))
             return

@@ -48,7 +48,6 @@ from pipeline.tokenizer import Tokenizer
 from pipeline.worker import forever, heartbeat_forever, new_worker_id, retrying
 from workers.scheduler import qgemm_vnni
 from workers.scheduler.engine import Engine, EngineRequest, StepResult
-from workers.scheduler.engine_thread import EngineThread, Stepped
 from workers.scheduler.linear import VNNI_BESIDE_AMX, Kernels
 from workers.text import find_stop, stop_window
 
@@ -64,7 +63,6 @@ class Running:
     output_ids: list[int]  # everything the client will have: delivered before + generated here
     sent: int  # of output_ids, those on their way to the client; the rest are held
     held_logprobs: list[TokenLogprob] = field(default_factory=list)  # the held ids'
-    since: int = 0  # EngineThread.add's number: steps before it ran an earlier attempt
 
     def due(self, finish: str | None) -> bool:
         """Whether the held ids go out now (Submit.stream_interval): a streamed
@@ -87,8 +85,8 @@ class Scheduler:
     def __init__(self, config: Config, engine: Engine, tokenizer: Tokenizer,
                  engine_thread: ThreadPoolExecutor):
         self.config = config
-        self.engine = engine  # stepped and changed through `stepping` alone, once started
-        self.stepping = EngineThread(engine, engine_thread)
+        self.engine = engine
+        self.engine_thread = engine_thread
         self.tokenizer = tokenizer
         self.keys = Keys(config.redis.prefix)
         self.worker_id = config.scheduler.scheduler_id or new_worker_id("scheduler")
@@ -117,22 +115,25 @@ class Scheduler:
                 await self.turn_back(entry)
 
     async def step(self) -> None:
-        """One round trip while the engine steps on its own thread: what earlier
-        steps produced goes out and new entries are read (they join the engine
-        between steps); then the next step's results, to go out next time."""
+        """One engine step, with this scheduler's Redis traffic done while it
+        runs, in one round trip: the last step's tokens go out and new entries
+        are read (they join the engine between steps, where it is safe to touch)."""
         if time.monotonic() >= self.next_upkeep:
             await self.upkeep()
-        room = self.stepping.can_admit()
-        if not self.stepping.is_busy():  # idle: wait for work, nothing to overlap
+        room = self.engine.can_admit()  # asked before the step: the engine is its thread's then
+        if not self.engine.has_work():  # idle: wait for work, nothing to overlap
             control, _ = await self.exchange(0)
             requests = [] if room <= 0 else await self.reader.read_group(
                 self.keys.requests, SCHEDULERS, self.worker_id, count=room, wait=True)
             await self.take(control, requests)
             return
-        await self.take(*await self.exchange(room))
-        self.emit(await self.stepping.next_results())
-        while not self.stepping.results.empty():  # steps that ended during the round trip
-            self.emit(await self.stepping.next_results())
+        running = asyncio.get_running_loop().run_in_executor(self.engine_thread,
+                                                             self.engine.step)
+        try:
+            fetched = await self.exchange(room)
+        finally:  # never leave the engine running into the next call
+            self.emit(await running)
+        await self.take(*fetched)
 
     async def exchange(self, room: int) -> tuple[list, list]:
         """One round trip, in one write (StreamClient.transaction, past
@@ -198,7 +199,7 @@ class Scheduler:
         abandoned = [r for r, run in self.running.items() if run.submit.reply_to in gone]
         for request_id in set(lost) | set(abandoned):
             # lost: Redis lost the entry, so its frontend resubmits; abandoned: nobody listens
-            self.stepping.abort(request_id)
+            self.engine.abort(request_id)
             self.to_ack.append(self.running.pop(request_id).entry_id)
         await self.rescue()
         await trim_below_pending(self.client, self.keys.requests)
@@ -249,7 +250,7 @@ class Scheduler:
             case FrontendGone(reply_to):
                 doomed = [r for r, run in self.running.items() if run.submit.reply_to == reply_to]
         for request_id in doomed:
-            self.stepping.abort(request_id)
+            self.engine.abort(request_id)
             self.to_ack.append(self.running.pop(request_id).entry_id)
 
     def admit(self, entry_id: str, submit: Submit, first: bool) -> None:
@@ -258,22 +259,22 @@ class Scheduler:
             self.to_ack.append(entry_id)
             return
         if (old := self.running.pop(submit.request_id, None)) is not None:
-            self.stepping.abort(submit.request_id)  # a newer attempt supersedes it
+            self.engine.abort(submit.request_id)  # a newer attempt supersedes it
             self.to_ack.append(old.entry_id)
         try:
             if submit.deadline_ms is not None and submit.deadline_ms < time.time() * 1000:
                 self.num_expired += 1
                 raise RequestTimeout("the request expired before a scheduler could start it")
             self.check(submit)
-            since = self.stepping.add(EngineRequest(submit.request_id, submit.prompt_ids,
-                                                    list(submit.output_ids), submit.sampling))
+            self.engine.add(EngineRequest(submit.request_id, submit.prompt_ids,
+                                          list(submit.output_ids), submit.sampling))
         except PipelineError as error:
             self.failures.append(Failed(submit.request_id, submit.reply_to, error.code,
                                         error.detail, submit.attempt))
             self.to_ack.append(entry_id)
             return
         self.running[submit.request_id] = Running(submit, entry_id, list(submit.output_ids),
-                                                  len(submit.output_ids), since=since)
+                                                  len(submit.output_ids))
 
     def check(self, submit: Submit) -> None:
         """Entries can be written by anyone with access to Redis: trust nothing."""
@@ -285,9 +286,9 @@ class Scheduler:
         if submit.stream_interval < 0:
             raise InvalidRequest("stream_interval must be 0 (when finished) or more")
 
-    def output_for(self, result: StepResult, num_changes: int) -> StepOutput | None:
+    def output_for(self, result: StepResult) -> StepOutput | None:
         run = self.running.get(result.request_id)
-        if run is None or not result.new_ids or num_changes < run.since:
+        if run is None or not result.new_ids:
             return None
         sampling = run.submit.sampling
         run.output_ids.extend(result.new_ids)
@@ -299,7 +300,7 @@ class Scheduler:
             if matched is not None:
                 finish = "stop"
                 if result.finish is None:
-                    self.stepping.abort(result.request_id)
+                    self.engine.abort(result.request_id)
         if finish is not None:
             self.to_ack.append(self.running.pop(result.request_id).entry_id)
         if not run.due(finish):
@@ -312,10 +313,9 @@ class Scheduler:
                           run.output_ids[offset:], prefix, finish, sampling.stop, matched,
                           logprobs, run.submit.attempt, sampling.skip_special_tokens)
 
-    def emit(self, stepped: Stepped) -> None:
+    def emit(self, results: list[StepResult]) -> None:
         """Queue a step's outputs for the next flush."""
-        outputs = [out for r in stepped.results
-                   if (out := self.output_for(r, stepped.num_changes)) is not None]
+        outputs = [out for r in results if (out := self.output_for(r)) is not None]
         if outputs:
             self.unsent.append(TokenBatch(self.worker_id, outputs, []))
 
@@ -329,7 +329,7 @@ class Scheduler:
                 "dense_matmul": "onednn" if engine.kernels.onednn else "torch",
                 **kernel_names(engine.kernels),
                 "num_expired": self.num_expired} | asdict(
-            self.stepping.stats)
+            engine.stats())
 
 
 def kernel_names(kernels: Kernels) -> dict[str, str]:
@@ -351,7 +351,6 @@ async def run(config: Config, model: ModelFiles) -> None:
     engine = await asyncio.get_running_loop().run_in_executor(
         engine_thread, Engine, model.path, config.scheduler)
     scheduler = Scheduler(config, engine, Tokenizer(model.path), engine_thread)
-    scheduler.stepping.start()
     await retrying(scheduler.join, "scheduler join")
     log.info("scheduler %s pulling %s", scheduler.worker_id, scheduler.keys.requests)
     beat = asyncio.create_task(heartbeat_forever(
@@ -361,4 +360,3 @@ async def run(config: Config, model: ModelFiles) -> None:
         await forever(scheduler.step, "scheduler", on_reconnect=scheduler.join)
     finally:
         beat.cancel()
-        scheduler.stepping.stop()
