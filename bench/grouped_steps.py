@@ -35,35 +35,33 @@ while True:
 """
 
 
-# what the steps are paired against: None, layer by layer; else grouped with this
-# many groups a thread (layers.MAX_GROUPS) instead of serving's own
-AGAINST_GROUPS: int | None = None
-
-
-def timed_step(engine: Engine, kinds: dict[str, list[float]]) -> None:
-    """One step, grouped or layer by layer, whichever has run fewer."""
+def timed_step(engine: Engine, kinds: dict[str, list[float]], against: int | None) -> None:
+    """One step, grouped or the other kind, whichever has run fewer. The other kind
+    is layer by layer, or with `against` groups a thread (layers.MAX_GROUPS)
+    instead of serving's own."""
     kind = "grouped" if len(kinds["grouped"]) < len(kinds["layers"]) else "layers"
-    engine.model.driver.grouped = kind == "grouped" or AGAINST_GROUPS is not None
-    layers.MAX_GROUPS = AGAINST_GROUPS if kind == "layers" and AGAINST_GROUPS else SERVED_GROUPS
+    engine.model.driver.grouped = kind == "grouped" or against is not None
+    layers.MAX_GROUPS = against if kind == "layers" and against else SERVED_GROUPS
     started = time.perf_counter()
     engine.step()
     kinds[kind].append(1000 * (time.perf_counter() - started))
 
 
 def one_round(engine: Engine, tokenizer: Tokenizer, rows: int, seed: int,
-              burst: tuple[float, float] | None) -> dict[str, dict[str, list[float]]]:
+              burst: tuple[float, float] | None,
+              against: int | None) -> dict[str, dict[str, list[float]]]:
     sampling = Sampling(max_tokens=64, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(make_prompts(rows, 24, seed)):
         engine.add(EngineRequest(f"{seed}-{i}", tokenizer.encode(prompt), [], sampling))
     prefill: dict[str, list[float]] = {"grouped": [], "layers": []}
     while engine.batcher.waiting or not all(s.is_decoding for s in engine.batcher.running):
-        timed_step(engine, prefill)
+        timed_step(engine, prefill, against)
     busy = None if burst is None else subprocess.Popen(
         [sys.executable, "-c", BUSY, str(burst[0]), str(burst[1])])
     decode: dict[str, list[float]] = {"grouped": [], "layers": []}
     try:
         while engine.has_work():
-            timed_step(engine, decode)
+            timed_step(engine, decode, against)
     finally:
         if busy is not None:
             busy.kill()
@@ -81,8 +79,6 @@ def main() -> None:
     parser.add_argument("--against-groups", type=int, default=None,
                         help="pair grouped steps against N groups a thread, not layer by layer")
     args = parser.parse_args()
-    global AGAINST_GROUPS
-    AGAINST_GROUPS = args.against_groups
     layers.MIN_GROUP_ROWS = args.min_group_rows
     burst = None if args.burst == "none" else tuple(map(float, args.burst.split("/")))
     model = resolve_model(DEFAULT_MODEL)
@@ -92,7 +88,8 @@ def main() -> None:
     tokenizer = Tokenizer(model.path)
     for round_ in range(args.rounds):
         beside = burst if round_ % 2 else None
-        steps = one_round(engine, tokenizer, args.rows, 1000 + round_, beside)
+        steps = one_round(engine, tokenizer, args.rows, 1000 + round_, beside,
+                          args.against_groups)
         decode = {kind: statistics.median(times) for kind, times in steps["decode"].items()}
         prefill = steps["prefill"]
         other = (f"{args.against_groups} groups a thread" if args.against_groups

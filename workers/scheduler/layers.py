@@ -50,7 +50,7 @@ class Step(ctypes.Structure):
                 ("block_size", ctypes.c_int)]
 
 
-# Groups of MIN_GROUP_ROWS rows or more (one tile of the int8 matmuls each), 2 a
+# Groups of MIN_GROUP_ROWS rows or more (a tile of the int8 matmuls at least), 2 a
 # thread: fewer rows run each kernel on every thread. Grouped, every group reads
 # every weight; on 2 cores (AMD Zen 4, paired steps) a decode step took 1.10-1.14x
 # the time at 16 rows (weights streamed), 1.04-1.06x at 32, 0.97-1.03x at 48, and at
