@@ -136,7 +136,12 @@ void q_gemm_amx(const uint16_t *x_all, int rows, int in_dim, const uint8_t *q,
             float sums[256] __attribute__((aligned(64)));
             span_init(spans, num_blocks);
 #pragma omp barrier
-            for (int from = 0, nb; (nb = span_next(spans, &from)) >= 0;) {
+            // the next block is claimed halfway through this one: span_next's locked
+            // compare-exchange waits for every earlier store, and right after a
+            // block's STOREs that is its last tile products too (engine steps
+            // 0.97-0.98x the time at 64 rows and 0.97x at 32, paired in one process)
+            int from = 0, nb = span_next(spans, &from), following = -1;
+            for (; nb >= 0; nb = following) {
                 const int n0 = 16 * nb;
                 const uint8_t *qb = q + (size_t)nb * groups * q_bytes;
                 const float *sb = scale + (size_t)nb * groups * 16;
@@ -149,6 +154,8 @@ void q_gemm_amx(const uint16_t *x_all, int rows, int in_dim, const uint8_t *q,
                 for (int r = 0; r < 16; r += 4)
                     dequantize4(qb, first, bits, tiles[0], r);
                 for (int g = 0; g < groups; g++) {
+                    if (g == groups / 2)
+                        following = span_next(spans, &from);
                     const int more = g + 1 < groups;
                     uint16_t *next = tiles[(g + 1) & 1];
                     const uint8_t *qn = qb + (g + 1) * q_bytes;
