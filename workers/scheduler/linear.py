@@ -25,8 +25,11 @@ GROUP = 32
 # 0.94x at 16, 0.93x at 32, 0.90x at 64
 FINE_ROWS = 4
 # oneDNN builds a kernel for each new row count (~5 ms for a 3072 x 576 bf16
-# weight, measured: 4-5x the matmul at 500 rows), and serving's steps come in
-# every count: its batches are padded to a multiple of this, a few kernels in all
+# weight, measured: 4-5x the matmul at 500 rows) and keeps it, and serving's steps
+# come in every count: its batches are padded to a multiple of this, a few kernels
+# in all. torch's own bf16 matmul on a CPU runs on oneDNN too: unpadded, the 4
+# projections at every count from 193 to 512 rows grew a process by 1.1 GiB, and
+# by 0.6 more on a second pass through the same counts; padded, by 38 MiB (Intel Xeon)
 ONEDNN_ROWS = 32
 # rows AMX's tiles serve (in passes of 64, each dequantizing the weight again),
 # the dense matmul beyond: engine steps through layers.c against oneDNN's in
@@ -122,17 +125,20 @@ class Dense:
         if x.shape[0] <= self.small_batch:
             out = self.small(x).to(x.dtype)
             return out if self.bias is None else out + self.bias
-        if self.onednn_weight is not None:
-            rows = x.shape[0]
+        rows = x.shape[0]
+        if self.onednn_weight is not None or (x.device.type == "cpu"
+                                              and x.dtype != torch.float32):  # fp32: MKL's
             padded = -(-rows // ONEDNN_ROWS) * ONEDNN_ROWS
             if padded != rows:
                 x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+        if self.onednn_weight is not None:
             out = torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias,
                                                      "none", [], "")
-            return out[:rows]
-        if self.bias is None:
-            return x @ self.weight_t
-        return torch.addmm(self.bias, x, self.weight_t)
+        elif self.bias is None:
+            out = x @ self.weight_t
+        else:
+            out = torch.addmm(self.bias, x, self.weight_t)
+        return out[:rows]
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 x @ w.T, for the lm_head: the small batches' kernels write fp32
