@@ -126,8 +126,9 @@ class Dense:
             out = self.small(x).to(x.dtype)
             return out if self.bias is None else out + self.bias
         rows = x.shape[0]
-        if self.onednn_weight is not None or (x.device.type == "cpu"
-                                              and x.dtype != torch.float32):  # fp32: MKL's
+        # oneDNN's, ours or under torch's bf16 matmul, keeps a kernel per row count;
+        # torch's fp32 matmul runs on MKL's sgemm, which keeps nothing
+        if self.onednn_weight is not None or (x.is_cpu and x.dtype != torch.float32):
             padded = -(-rows // ONEDNN_ROWS) * ONEDNN_ROWS
             if padded != rows:
                 x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
