@@ -103,6 +103,30 @@ def test_kernels_sum_int8_activations_exactly(checkpoint, on):
 
 
 @each_library
+def test_the_largest_dots_stay_exact(on):
+    """Every level at its extreme against activations at +-127 levels: each group's
+    dot is the largest either kernel takes (4-bit 32 * 15 * 127, 8-bit 32 * 127 *
+    127; VNNI starts it at 1.5 * 2^23's float bits), of either sign."""
+    out_dim, in_dim, rows = 32, 256, 3
+    signs = torch.ones(rows, in_dim)
+    signs[1] = -1.0
+    signs[2, ::2] = -1.0  # alternating: the two halves of each group cancel
+    x = (127 * signs).bfloat16()  # levels of scale 1: every sum is an exact integer
+    ones = torch.ones(out_dim, in_dim // 32)
+    for bits in (4, 8):
+        if bits == 4:
+            levels = torch.full((out_dim, in_dim), 15)
+            packed = qgemm_vnni.pack_q4(levels, ones, torch.zeros_like(ones), on=on)
+        else:
+            levels = torch.full((out_dim, in_dim), 127)
+            levels[::2] = -127  # even outputs negative
+            packed = qgemm_vnni.pack_q8(levels, ones, on=on)
+        weight = levels.double()
+        out = qgemm_vnni.matmul(x.float(), packed).double()
+        assert torch.equal(out, x.double() @ weight.t())
+
+
+@each_library
 def test_answers_do_not_depend_on_how_threads_share_the_blocks(checkpoint, on):
     """Threads take blocks of 16 outputs by stealing (kernels.h's Span): with
     more threads than cores some are preempted and the others take their
