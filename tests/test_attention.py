@@ -9,8 +9,9 @@ import torch
 
 from pipeline.messages import Sampling
 from workers.scheduler import native, paged
-from workers.scheduler.attention import TorchAttention, make_cache
+from workers.scheduler.attention import KVCache, TorchAttention, make_cache
 from workers.scheduler.batcher import Chunk, StepPlan
+from workers.scheduler.blocks import Copy
 from workers.scheduler.native import NEEDS_AVX512, cpu_flags
 from workers.scheduler.sequence import Sequence
 
@@ -133,3 +134,23 @@ def test_avx512_bf16_build_matches_the_avx2_one(dim):
         outs.append(out.float())
     assert (outs[0] - outs[1]).abs().max().item() <= 2 ** -9 * outs[1].abs().max().item()
     assert outs[0].abs().max().item() > 0.1
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_a_copy_moves_each_slot_of_every_layer_and_nothing_else(layout):
+    """KVCache.copy, as the engine applies partial prefix reuse: both layouts (NHD
+    is flashinfer's); a slot that is a source and, later in the list, a target
+    gives its old contents."""
+    cache = KVCache(2, 6, 4, 3, 8, torch.float32, torch.device("cpu"), layout)
+    for tensor in (*cache.k, *cache.v):
+        tensor.copy_(torch.randn(tensor.shape))
+    before = [t.clone() for t in (*cache.k, *cache.v)]
+
+    def slot(tensor: torch.Tensor, index: int) -> torch.Tensor:  # [kv_heads, dim]
+        return tensor.flatten(0, 1)[index] if layout == "NHD" else tensor[:, index]
+
+    cache.copy([Copy(1, 4, 3), Copy(4, 2, 2)])  # block 4's own first slots go to 2
+    moved = {16: 4, 17: 5, 18: 6, 8: 16, 9: 17}  # target slot: source slot
+    for old, new in zip(before, (*cache.k, *cache.v), strict=True):
+        for index in range(24):
+            assert torch.equal(slot(new, index), slot(old, moved.get(index, index)))

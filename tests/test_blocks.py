@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from workers.scheduler.blocks import BlockAllocator
+from workers.scheduler.blocks import BlockAllocator, Copy
 
 SIZE = 4
 
@@ -58,8 +58,41 @@ def test_a_shared_prefix_reuses_full_blocks_but_never_the_last_token():
     computed(allocator, "a", prompt)
     assert allocator.allocate("b", prompt + [99, 98]) == 8
     assert allocator.block_table("b")[:2] == allocator.block_table("a")[:2]
-    # all 8 tokens in full blocks, but the 8th must be computed for its logits
-    assert allocator.allocate("c", tokens(8)) == 4
+    # all 8 tokens in full blocks, but the 8th must be computed for its logits:
+    # the first block is shared, 3 of the second copied
+    assert allocator.allocate("c", tokens(8)) == 7
+    assert allocator.take_copies() == [Copy(allocator.block_table("a")[1],
+                                            allocator.block_table("c")[1], 3)]
+
+
+def test_part_of_a_cached_block_is_copied_into_the_requests_own():
+    allocator = BlockAllocator(10, SIZE)
+    prompt = tokens(10)
+    allocator.allocate("a", prompt)
+    computed(allocator, "a", prompt)
+    assert allocator.take_copies() == []
+    assert allocator.allocate("b", tokens(6) + [50, 51, 52]) == 6
+    a, b = allocator.block_table("a"), allocator.block_table("b")
+    assert b[0] == a[0] and b[1] not in a  # shared whole, then a block of its own
+    assert allocator.take_copies() == [Copy(a[1], b[1], 2)]
+    assert allocator.take_copies() == []  # each copy is handed over once
+    # a first block can be reused in part too
+    assert allocator.allocate("c", [0, 1, 70, 71]) == 2
+    assert allocator.take_copies() == [Copy(a[0], allocator.block_table("c")[0], 2)]
+    # a block's tokens count only after the same prefix: not after a block not cached
+    assert allocator.allocate("d", [9, 9, 9, 9, 4, 5, 6]) == 0
+    assert allocator.take_copies() == []
+
+
+def test_an_evicted_block_is_no_longer_reused_in_part():
+    allocator = BlockAllocator(3, SIZE)
+    allocator.allocate("a", tokens(5))
+    computed(allocator, "a", tokens(5))
+    allocator.free("a")
+    allocator.allocate("filler", tokens(12, 100))  # takes every block: evicts a's
+    allocator.free("filler")
+    assert allocator.allocate("b", tokens(3) + [9]) == 0
+    assert allocator.take_copies() == []
 
 
 def test_shared_blocks_are_ref_counted():

@@ -164,9 +164,25 @@ def test_a_repeated_prompt_reuses_cached_prefix_blocks(model_files, prompt_ids, 
     first = run_all(engine, greedy_requests(prompt_ids[:1]))
     assert engine.stats().num_prefix_hit_tokens == 0
     again = run_all(engine, [EngineRequest("again", prompt_ids[0], [], GREEDY)])
+    # whole blocks, and where the first run filled the next one, part of it (copied)
     hits = engine.stats().num_prefix_hit_tokens
-    assert hits == (len(prompt_ids[0]) - 1) // 16 * 16 > 0
+    assert 16 <= (len(prompt_ids[0]) - 1) // 16 * 16 <= hits <= len(prompt_ids[0]) - 1
     assert again["again"] == first["r0"] == reference[0]
+
+
+def test_a_prompt_sharing_part_of_a_block_reuses_that_part(model_files, prompt_ids):
+    """The copied slots are the KV the prompt's own prefill would have written:
+    the answer is the one an engine with nothing cached gives."""
+    shared, tail = prompt_ids[0][:21], prompt_ids[1][24:36]  # a block and 5 tokens, then
+    assert tail[0] != prompt_ids[0][21]  # another prompt's words (24: past the system prompt)
+    prompt = shared + tail
+    fresh = run_all(make_engine(model_files), [EngineRequest("fresh", prompt, [], GREEDY)])
+    engine = make_engine(model_files)
+    run_all(engine, greedy_requests(prompt_ids[:1]))
+    hits = engine.stats().num_prefix_hit_tokens
+    again = run_all(engine, [EngineRequest("again", prompt, [], GREEDY)])
+    assert engine.stats().num_prefix_hit_tokens - hits == 21
+    assert again["again"] == fresh["fresh"]
 
 
 def test_seeded_sampling_is_reproducible_and_resumes_from_delivered_tokens(engine, prompt_ids):

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from workers.scheduler import paged
 from workers.scheduler.batcher import StepPlan
+from workers.scheduler.blocks import Copy
 
 
 class KVCache:
@@ -28,10 +29,25 @@ class KVCache:
         self.dtype = dtype
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.block_size, self.layout = block_size, layout
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (*self.k, *self.v))
+
+    def copy(self, copies: list[Copy]) -> None:
+        """Each copy's slots, every layer's keys and values (BlockAllocator's
+        partial prefix reuse); all sources are read before any target is written."""
+        size = self.block_size
+        source = [c.source * size + i for c in copies for i in range(c.count)]
+        target = [c.target * size + i for c in copies for i in range(c.count)]
+        device = self.k[0].device
+        source_t = torch.tensor(source, dtype=torch.long, device=device)
+        target_t = torch.tensor(target, dtype=torch.long, device=device)
+        for cache in (*self.k, *self.v):
+            # by slot: NHD's [blocks, block_size, ...] is [slots, ...]; HND's slots are dim 1
+            flat, dim = (cache.flatten(0, 1), 0) if self.layout == "NHD" else (cache, 1)
+            flat.index_copy_(dim, target_t, flat.index_select(dim, source_t))
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -1,6 +1,9 @@
 # BlockAllocator: the paged KV cache's bookkeeping. Fixed-size blocks, one
-# block table per request, and prefix reuse of full blocks by chained hash.
-# Torch-free; the engine owns the tensors these block ids index.
+# block table per request, and prefix reuse by chained hash: of whole blocks,
+# shared, and of the part of a block a prompt has in common with a cached one,
+# whose slots the engine copies into the request's own block (so a system prompt
+# of 24 tokens is reused whole, not 16 of it). Torch-free; the engine owns the
+# tensors these block ids index.
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ class Block:
     ref_count: int = 0
     block_hash: int | None = None  # set once the block is full and its KV computed
     token_ids: tuple[int, ...] = ()  # what the hash covers: checked on reuse
+    parent: int | None = None  # the chain's hash before it (None: a first block)
 
 
 @dataclass
@@ -26,10 +30,21 @@ def chain_hash(previous: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((previous, token_ids))
 
 
+@dataclass(frozen=True)
+class Copy:
+    """The first `count` slots of cached block `source` into block `target`."""
+    source: int
+    target: int
+    count: int
+
+
 class BlockAllocator:
     """Free blocks are either blank (`blank`) or hold a cached prefix
     (`cached_free`, least recently used first); both count as free, and a
-    cached one is evicted only when no blank one is left."""
+    cached one is evicted only when no blank one is left.
+    `copies` are the partial reuses `allocate` granted, in order: the engine
+    applies them before the next step writes any KV (`take_copies`). A source
+    evicted later in the same schedule keeps its slots until that step."""
 
     def __init__(self, num_blocks: int, block_size: int):
         self.block_size = block_size
@@ -38,6 +53,10 @@ class BlockAllocator:
         self.blank: deque[int] = deque(range(num_blocks))
         self.cached_free: OrderedDict[int, None] = OrderedDict()
         self.by_hash: dict[int, int] = {}
+        # chain_hash(parent, a cached block's first n tokens), 0 < n < block_size: the
+        # block last cached so (another with that start is lost when it is evicted)
+        self.by_start: dict[int, int] = {}
+        self.copies: list[Copy] = []
         self.tables: dict[str, Table] = {}
 
     @property
@@ -63,6 +82,22 @@ class BlockAllocator:
             found.append(block_id)
         return found
 
+    def cached_start(self, token_ids: list[int], found: list[int]) -> tuple[int, int]:
+        """(block id, count): the cached block whose first `count` tokens go on
+        from `found` (cached_prefix's), the most such tokens; (-1, 0) if none.
+        Never the last token."""
+        start = len(found) * self.block_size
+        previous = self.blocks[found[-1]].block_hash if found else None
+        rest = tuple(token_ids[start:min(len(token_ids) - 1, start + self.block_size - 1)])
+        for count in range(len(rest), 0, -1):
+            block_id = self.by_start.get(chain_hash(previous, rest[:count]))
+            if block_id is None:
+                continue
+            block = self.blocks[block_id]
+            if block.parent == previous and block.token_ids[:count] == rest[:count]:
+                return block_id, count
+        return -1, 0
+
     def can_allocate(self, token_ids: list[int]) -> bool:
         hits = self.cached_prefix(token_ids)
         num_hits_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
@@ -71,18 +106,26 @@ class BlockAllocator:
 
     def allocate(self, request_id: str, token_ids: list[int]) -> int:
         """Give `request_id` blocks for all of `token_ids`; returns how many
-        leading tokens already have KV in the cache (prefix reuse)."""
+        leading tokens already have KV in the cache (prefix reuse), or will have
+        once its copy is applied."""
         assert request_id not in self.tables
         table = Table()
-        for block_id in self.cached_prefix(token_ids):
+        found = self.cached_prefix(token_ids)
+        for block_id in found:
             self._take(block_id)
             table.block_ids.append(block_id)
             table.hashes.append(self.blocks[block_id].block_hash)
-        num_cached = len(table.block_ids) * self.block_size
+        source, count = self.cached_start(token_ids, found)
         while len(table.block_ids) < self.blocks_needed(len(token_ids)):
             table.block_ids.append(self._take_blank())
+        if count:
+            self.copies.append(Copy(source, table.block_ids[len(found)], count))
         self.tables[request_id] = table
-        return num_cached
+        return len(found) * self.block_size + count
+
+    def take_copies(self) -> list[Copy]:
+        copies, self.copies = self.copies, []
+        return copies
 
     def may_append(self, request_id: str, num_tokens: int) -> bool:
         """Can the request grow to `num_tokens` tokens?"""
@@ -114,12 +157,15 @@ class BlockAllocator:
         while len(table.hashes) < num_computed // size:
             index = len(table.hashes)
             chunk = tuple(token_ids[index * size:(index + 1) * size])
-            block_hash = chain_hash(table.hashes[-1] if table.hashes else None, chunk)
+            parent = table.hashes[-1] if table.hashes else None
+            block_hash = chain_hash(parent, chunk)
             table.hashes.append(block_hash)
             block = self.blocks[table.block_ids[index]]
             if block_hash not in self.by_hash and block.block_hash is None:
-                block.block_hash, block.token_ids = block_hash, chunk
+                block.block_hash, block.token_ids, block.parent = block_hash, chunk, parent
                 self.by_hash[block_hash] = block.block_id
+                for count in range(1, size):
+                    self.by_start[chain_hash(parent, chunk[:count])] = block.block_id
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -134,6 +180,10 @@ class BlockAllocator:
             block_id, _ = self.cached_free.popitem(last=False)
             block = self.blocks[block_id]
             del self.by_hash[block.block_hash]
-            block.block_hash, block.token_ids = None, ()
+            for count in range(1, self.block_size):
+                start = chain_hash(block.parent, block.token_ids[:count])
+                if self.by_start.get(start) == block_id:
+                    del self.by_start[start]
+            block.block_hash, block.token_ids, block.parent = None, (), None
         self.blocks[block_id].ref_count = 1
         return block_id

@@ -203,6 +203,8 @@ class Engine:
     def step(self) -> list[StepResult]:
         results, self.done_on_arrival = self.done_on_arrival, []
         plan = self.batcher.schedule()
+        if copies := self.allocator.take_copies():  # before any of the step's KV is written
+            self.cache.copy(copies)
         if not plan.chunks:
             return results
         started = time.perf_counter()
