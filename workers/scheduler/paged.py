@@ -15,8 +15,6 @@ from workers.scheduler import native
 SOURCE = Path(__file__).with_name("paged_attention.c")
 
 
-
-
 P, I32, I64 = native.P, native.I32, native.I64
 SIGNATURES = {"paged_decode": [P, I64, P, I64, P, I64, I32, I32, P, I32, I32, I32, I32, P, P, I64,
                                P, I32, P, I32, native.F32, P]}
@@ -27,7 +25,6 @@ def load() -> ctypes.CDLL | None:
     """On a bf16 cache the AVX-512 build takes AVX-512's bf16 dot product
     (attention_avx512.h)."""
     return native.load_best(SOURCE, SIGNATURES)
-
 
 
 def build(flags: tuple[str, ...] = ()) -> Path:
