@@ -132,3 +132,36 @@ def test_decodes_beyond_the_token_budget_wait_for_the_next_step():
     assert all(s.is_decoding for s in batcher.running)
     plan = batcher.schedule()
     assert [c.seq.request_id for c in plan.chunks] == ["r0", "r1"]
+
+
+def test_a_burst_sharing_a_prefix_computes_it_once():
+    """Prompts whose first blocks another admitted prompt is computing wait a
+    step for them; a prompt sharing nothing goes ahead meanwhile."""
+    shared = list(range(500, 509))  # 2 full blocks and a token
+    batcher = make(max_tokens=64)
+    batcher.add(Sequence("first", shared + [1, 2], 11, Sampling(), 0, 0))
+    batcher.add(Sequence("second", shared + [3, 4, 5], 12, Sampling(), 0, 1))
+    batcher.add(Sequence("third", shared + [6], 10, Sampling(), 0, 2))
+    batcher.add(seq("other", 6, arrival=3))
+    plan = batcher.schedule()
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in plan.chunks] == [
+        ("first", 0, 11), ("other", 0, 6)]
+    assert [s.request_id for s in batcher.waiting] == ["second", "third"]  # in order
+    finish_step(batcher, plan)
+    plan = batcher.schedule()
+    # both reuse its 2 blocks ("first"'s third is not full yet, so not cached)
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in plan.chunks][2:] == [
+        ("second", 8, 4), ("third", 8, 2)]
+    assert batcher.num_prefix_hit_tokens == 16
+
+
+def test_a_prompt_awaiting_a_prefix_goes_ahead_when_its_computer_leaves():
+    shared = list(range(500, 512))
+    batcher = make()
+    batcher.add(Sequence("first", shared + [1], 13, Sampling(), 0, 0))
+    batcher.add(Sequence("second", shared + [2], 13, Sampling(), 0, 1))
+    batcher.schedule()
+    assert [s.request_id for s in batcher.waiting] == ["second"]
+    batcher.abort("first")  # its prefill never ran: nothing is cached, nothing promised
+    plan = batcher.schedule()
+    assert [(c.seq.request_id, c.start) for c in plan.chunks] == [("second", 0)]

@@ -3,6 +3,7 @@ continuous batching, chunked prefill, preemption, prefix reuse, abort, seeds."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -168,6 +169,18 @@ def test_a_repeated_prompt_reuses_cached_prefix_blocks(model_files, prompt_ids, 
     hits = engine.stats().num_prefix_hit_tokens
     assert 16 <= (len(prompt_ids[0]) - 1) // 16 * 16 <= hits <= len(prompt_ids[0]) - 1
     assert again["again"] == first["r0"] == reference[0]
+
+
+def test_a_burst_of_chats_computes_their_system_prompt_once(model_files, prompt_ids, reference):
+    """Chats arriving together: the first computes the template's system prompt
+    (24 tokens: a block and 8), the rest wait a step and reuse it, and every
+    answer is still transformers' own."""
+    engine = make_engine(model_files)
+    system = len(os.path.commonprefix(prompt_ids))
+    assert system == 24 and len(prompt_ids) >= 3
+    outputs = run_all(engine, greedy_requests(prompt_ids))
+    assert engine.stats().num_prefix_hit_tokens == (len(prompt_ids) - 1) * system
+    assert [outputs[f"r{i}"] for i in range(len(prompt_ids))] == reference
 
 
 def test_a_prompt_sharing_part_of_a_block_reuses_that_part(model_files, prompt_ids):

@@ -1,6 +1,8 @@
 # Continuous batching policy, torch-free: which sequences run this step and
 # with how many tokens. FCFS admission, chunked prefill under a per-step token
-# budget, and preemption by recompute when KV blocks run out.
+# budget, and preemption by recompute when KV blocks run out. A prompt whose
+# next uncached block another admitted prompt is computing waits for it (and
+# lets those behind it go first), so a burst sharing a prefix computes it once.
 
 from __future__ import annotations
 
@@ -68,13 +70,18 @@ class Batcher:
             if not seq.is_decoding and budget > 0:
                 plan.chunks.append(self._prefill_chunk(seq, budget))
                 budget -= plan.chunks[-1].num_tokens
+        awaiting: list[Sequence] = []  # their prefix is being computed: admitted after it
         while budget > 0 and self.waiting and len(self.running) < self.max_running_requests:
             seq = self.waiting[0]
+            if self.allocator.awaits_prefix(seq.token_ids):
+                awaiting.append(self.waiting.popleft())
+                continue
             if not self.allocator.can_allocate(seq.token_ids):
-                break  # FCFS: nobody overtakes the head of the queue
+                break  # FCFS: nobody overtakes the head of the queue for blocks
             self._admit(self.waiting.popleft())
             plan.chunks.append(self._prefill_chunk(seq, budget))
             budget -= plan.chunks[-1].num_tokens
+        self.waiting.extendleft(reversed(awaiting))
         return plan
 
     def finish(self, seq: Sequence) -> None:

@@ -24,6 +24,7 @@ class Block:
 class Table:
     block_ids: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # chain over this request's full blocks
+    promised: list[int] = field(default_factory=list)  # full prompt blocks it will compute
 
 
 def chain_hash(previous: int | None, token_ids: tuple[int, ...]) -> int:
@@ -57,6 +58,9 @@ class BlockAllocator:
         # block last cached so (another with that start is lost when it is evicted)
         self.by_start: dict[int, int] = {}
         self.copies: list[Copy] = []
+        # the hash of a prompt's full block that no cached block holds: the request
+        # that will compute it (admitted, so its prefill is under way)
+        self.promised: dict[int, str] = {}
         self.tables: dict[str, Table] = {}
 
     @property
@@ -81,6 +85,18 @@ class BlockAllocator:
                 break
             found.append(block_id)
         return found
+
+    def awaits_prefix(self, token_ids: list[int]) -> bool:
+        """Whether the first full block of `token_ids` that the cache lacks is
+        being computed for a running request: admitted once it is, the prompt
+        reuses it instead of computing it again (a burst of prompts sharing a
+        long prefix computes the prefix once)."""
+        found, size = self.cached_prefix(token_ids), self.block_size
+        start = len(found) * size
+        if start + size > len(token_ids) - 1:  # no full block left (the last token is run)
+            return False
+        previous = self.blocks[found[-1]].block_hash if found else None
+        return chain_hash(previous, tuple(token_ids[start:start + size])) in self.promised
 
     def cached_start(self, token_ids: list[int], found: list[int]) -> tuple[int, int]:
         """(block id, count): the cached block whose first `count` tokens go on
@@ -120,6 +136,13 @@ class BlockAllocator:
             table.block_ids.append(self._take_blank())
         if count:
             self.copies.append(Copy(source, table.block_ids[len(found)], count))
+        previous = table.hashes[-1] if table.hashes else None
+        for start in range(len(found) * self.block_size,  # every full block it computes
+                           len(token_ids) - self.block_size + 1, self.block_size):
+            previous = chain_hash(previous, tuple(token_ids[start:start + self.block_size]))
+            if previous not in self.promised:
+                self.promised[previous] = request_id
+                table.promised.append(previous)
         self.tables[request_id] = table
         return len(found) * self.block_size + count
 
@@ -141,6 +164,7 @@ class BlockAllocator:
         """Release the request's blocks; hashed ones stay reusable until evicted.
         The tail goes first so the head of a prefix is evicted last."""
         table = self.tables.pop(request_id)
+        self._unpromise(request_id, table.promised)
         for block_id in reversed(table.block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -160,12 +184,18 @@ class BlockAllocator:
             parent = table.hashes[-1] if table.hashes else None
             block_hash = chain_hash(parent, chunk)
             table.hashes.append(block_hash)
+            self._unpromise(request_id, [block_hash])
             block = self.blocks[table.block_ids[index]]
             if block_hash not in self.by_hash and block.block_hash is None:
                 block.block_hash, block.token_ids, block.parent = block_hash, chunk, parent
                 self.by_hash[block_hash] = block.block_id
                 for count in range(1, size):
                     self.by_start[chain_hash(parent, chunk[:count])] = block.block_id
+
+    def _unpromise(self, request_id: str, hashes: list[int]) -> None:
+        for block_hash in hashes:
+            if self.promised.get(block_hash) == request_id:
+                del self.promised[block_hash]
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
