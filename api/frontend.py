@@ -68,7 +68,7 @@ class Frontend:
         self.client = StreamClient(redis_config.url, block_ms=redis_config.read_block_ms)
         self.states: dict[str, RequestState] = {}
         self._tasks: list[asyncio.Task] = []
-        self.queue_depth = 0  # unadmitted requests tier-wide, refreshed in the background
+        self.queue_depth = 0  # unadmitted requests tier-wide (recovery.queue_depth), refreshed
         self.num_resubmits = 0
         self.last_reply_id = "0-0"
 

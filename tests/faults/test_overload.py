@@ -79,3 +79,37 @@ def test_a_request_past_its_deadline_is_not_started_and_gets_a_clear_error(redis
     while num_expired() < 1 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert num_expired() == 1  # pulled only after its deadline: refused, never started
+
+
+def test_the_queue_depth_decides_overload_exactly_on_either_redis(own_redis):
+    """7 entries never delivered, 2 delivered and pending, 1 acked but not trimmed:
+    Redis 7 counts the 7 itself; on Redis 6 the depth is read as length less
+    pending (8) without reading an entry while that is under the limit, and
+    counted from there. Either way `depth >= limit` is true exactly when 7 >= limit."""
+    import redis as sync_redis
+
+    from pipeline.recovery import queue_depth
+    from pipeline.streams import StreamClient
+
+    plain = sync_redis.Redis(port=own_redis.port)
+    plain.xgroup_create("q", "g", id="0", mkstream=True)
+    ids = [plain.xadd("q", {"m": b"x" * 100}) for _ in range(10)]
+    plain.xreadgroup("g", "c", {"q": ">"}, count=3)
+    plain.xack("q", "g", ids[0])
+
+    def ranges_read() -> int:
+        return plain.info("commandstats").get("cmdstat_xrange", {}).get("calls", 0)
+
+    async def depth(limit: int) -> int:
+        client = StreamClient(own_redis.url)
+        try:
+            return await queue_depth(client, "q", "g", limit)
+        finally:
+            await client.close()
+
+    for limit in (1, 5, 7, 8, 9, 100):
+        before = ranges_read()
+        found = asyncio.run(depth(limit))
+        assert (found >= limit) == (7 >= limit) and found <= 8, (limit, found)
+        if limit > 8:  # under the limit by length less pending: no entry is read
+            assert ranges_read() == before
