@@ -7,9 +7,9 @@
      stored as level + 128, low = -128 scale), so
      y = sum_g sx (scale * sum qw qx + low * sum qx): the integer dot is exact.
      8-bit weights fold their low into it, y = sum_g sx scale (sum qw qx - 128
-     sum qx): each group's dot starts at -128 sum qx, and no FMA adds the low
-     (1 of 11 instructions per row and group: the lm_head's matmul took
-     0.95x the time at 64 rows, 0.91x at 1, paired).
+     sum qx): each group's dot starts at -128 sum qx (past MAGIC_BITS, below),
+     and no FMA adds the low (1 of 11 instructions per row and group: the
+     lm_head's matmul took 0.95x the time at 64 rows, 0.91x at 1, paired).
    - The weight is blocked by 16 outputs (one zmm lane each, 4 inputs a lane):
      for every 16 outputs and group, the levels (4-bit: 4 x 64 bytes, inputs
      4j..4j+3 in the low nibbles of part j and 16+4j.. in the high; 8-bit: 8 x
@@ -127,7 +127,7 @@ static inline __attribute__((always_inline)) void tile(
         for (int r = 0; r < R; r++) {
             const int32_t *qx = (const int32_t *)(q + (int64_t)(m + r) * stride + g * GROUP);
             const float *s = xs + ((int64_t)(m + r) * G + g) * 2;
-            /* 8-bit: -128 sum q, the low's share, in the bits of s[1] */
+            /* 8-bit: MAGIC_BITS - 128 sum q (the low's share) in the bits of s[1] */
             const __m512i start = BITS == 8 ? _mm512_castps_si512(_mm512_set1_ps(s[1]))
                                             : _mm512_set1_epi32(MAGIC && !FINE ? MAGIC_BITS : 0);
             __m512i dot = FINE ? _mm512_setzero_si512() : start;
