@@ -73,12 +73,13 @@ class Batcher:
         awaiting: list[Sequence] = []  # their prefix is being computed: admitted after it
         while budget > 0 and self.waiting and len(self.running) < self.max_running_requests:
             seq = self.waiting[0]
-            if self.allocator.awaits_prefix(seq.token_ids):
+            found = self.allocator.cached_prefix(seq.token_ids)  # hashed once for all three
+            if self.allocator.awaits_prefix(seq.token_ids, found):
                 awaiting.append(self.waiting.popleft())
                 continue
-            if not self.allocator.can_allocate(seq.token_ids):
+            if not self.allocator.can_allocate(seq.token_ids, found):
                 break  # FCFS: nobody overtakes the head of the queue for blocks
-            self._admit(self.waiting.popleft())
+            self._admit(self.waiting.popleft(), found)
             plan.chunks.append(self._prefill_chunk(seq, budget))
             budget -= plan.chunks[-1].num_tokens
         self.waiting.extendleft(reversed(awaiting))
@@ -128,8 +129,8 @@ class Batcher:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _admit(self, seq: Sequence) -> None:
-        seq.num_computed = self.allocator.allocate(seq.request_id, seq.token_ids)
+    def _admit(self, seq: Sequence, found: list[int]) -> None:
+        seq.num_computed = self.allocator.allocate(seq.request_id, seq.token_ids, found)
         self.num_prefix_hit_tokens += seq.num_computed
         seq.status = Status.RUNNING
         self.running.append(seq)

@@ -86,24 +86,26 @@ class BlockAllocator:
             found.append(block_id)
         return found
 
-    def awaits_prefix(self, token_ids: list[int]) -> bool:
-        """Whether the first full block of `token_ids` that the cache lacks is
-        being computed for a running request: admitted once it is, the prompt
+    def _chain_before(self, found: list[int]) -> int | None:
+        """The chain hash that the block after `found` (cached_prefix's) continues."""
+        return self.blocks[found[-1]].block_hash if found else None
+
+    def awaits_prefix(self, token_ids: list[int], found: list[int]) -> bool:
+        """Whether the first full block of `token_ids` past `found` (cached_prefix's)
+        is being computed for a running request: admitted once it is, the prompt
         reuses it instead of computing it again (a burst of prompts sharing a
         long prefix computes the prefix once)."""
-        found, size = self.cached_prefix(token_ids), self.block_size
-        start = len(found) * size
+        start, size = len(found) * self.block_size, self.block_size
         if start + size > len(token_ids) - 1:  # no full block left (the last token is run)
             return False
-        previous = self.blocks[found[-1]].block_hash if found else None
-        return chain_hash(previous, tuple(token_ids[start:start + size])) in self.promised
+        block = tuple(token_ids[start:start + size])
+        return chain_hash(self._chain_before(found), block) in self.promised
 
     def cached_start(self, token_ids: list[int], found: list[int]) -> tuple[int, int]:
         """(block id, count): the cached block whose first `count` tokens go on
         from `found` (cached_prefix's), the most such tokens; (-1, 0) if none.
         Never the last token."""
-        start = len(found) * self.block_size
-        previous = self.blocks[found[-1]].block_hash if found else None
+        start, previous = len(found) * self.block_size, self._chain_before(found)
         rest = tuple(token_ids[start:min(len(token_ids) - 1, start + self.block_size - 1)])
         for count in range(len(rest), 0, -1):
             block_id = self.by_start.get(chain_hash(previous, rest[:count]))
@@ -114,19 +116,21 @@ class BlockAllocator:
                 return block_id, count
         return -1, 0
 
-    def can_allocate(self, token_ids: list[int]) -> bool:
-        hits = self.cached_prefix(token_ids)
+    def can_allocate(self, token_ids: list[int], hits: list[int] | None = None) -> bool:
+        """`hits`: cached_prefix(token_ids), where the caller has it already."""
+        hits = self.cached_prefix(token_ids) if hits is None else hits
         num_hits_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         needed = self.blocks_needed(len(token_ids)) - len(hits)
         return needed <= self.num_free_blocks - num_hits_free
 
-    def allocate(self, request_id: str, token_ids: list[int]) -> int:
+    def allocate(self, request_id: str, token_ids: list[int],
+                 found: list[int] | None = None) -> int:
         """Give `request_id` blocks for all of `token_ids`; returns how many
         leading tokens already have KV in the cache (prefix reuse), or will have
-        once its copy is applied."""
+        once its copy is applied. `found`: cached_prefix(token_ids), if known."""
         assert request_id not in self.tables
         table = Table()
-        found = self.cached_prefix(token_ids)
+        found = self.cached_prefix(token_ids) if found is None else found
         for block_id in found:
             self._take(block_id)
             table.block_ids.append(block_id)
@@ -136,7 +140,7 @@ class BlockAllocator:
             table.block_ids.append(self._take_blank())
         if count:
             self.copies.append(Copy(source, table.block_ids[len(found)], count))
-        previous = table.hashes[-1] if table.hashes else None
+        previous = self._chain_before(found)
         for start in range(len(found) * self.block_size,  # every full block it computes
                            len(token_ids) - self.block_size + 1, self.block_size):
             previous = chain_hash(previous, tuple(token_ids[start:start + self.block_size]))
