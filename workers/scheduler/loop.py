@@ -54,6 +54,8 @@ from workers.text import find_stop, stop_window
 log = logging.getLogger("pipeline.scheduler")
 MAX_ATTEMPTS = 3  # a request whose scheduler dies this many times is poison
 ADMITTED_TTL_S = 30  # retried XADDs arrive within seconds; the keys must not pile up
+PULL_EVERY_S = 0.01  # a step's reads of new requests, this far apart at least
+STEP_EMA = 0.2  # weight of the last step in the average step time
 
 
 @dataclass
@@ -99,6 +101,7 @@ class Scheduler:
         self.to_ack: list[str] = []  # entries done with, acked with the tokens they wait for
         self.next_upkeep = 0.0
         self.num_expired = 0
+        self.step_s = 0.0  # recent engine steps' average wall time (STEP_EMA)
 
     async def join(self) -> None:
         for stream, group in ((self.keys.requests, SCHEDULERS), (self.keys.tokens, DETOKENIZERS)):
@@ -127,13 +130,33 @@ class Scheduler:
                 self.keys.requests, SCHEDULERS, self.worker_id, count=room, wait=True)
             await self.take(control, requests)
             return
+        launched = time.perf_counter()
         running = asyncio.get_running_loop().run_in_executor(self.engine_thread,
                                                              self.engine.step)
         try:
-            fetched = await self.exchange(room)
+            control, requests = await self.exchange(room)
+            requests += await self.pull_while(running, room - len(requests))
         finally:  # never leave the engine running into the next call
             self.emit(await running)
-        await self.take(*fetched)
+            self.step_s += STEP_EMA * (time.perf_counter() - launched - self.step_s)
+        await self.take(control, requests)
+
+    async def pull_while(self, running: asyncio.Future, room: int) -> list:
+        """Requests that arrive while the engine steps, pulled every half a
+        step (the recent steps' average, PULL_EVERY_S at least) up to `room`,
+        so that they join after this step, not the next: one read at the
+        step's start left an arrival waiting 1.5 steps on average."""
+        taken: list = []
+        every = max(PULL_EVERY_S, self.step_s / 2)
+        while room > len(taken):
+            done, _ = await asyncio.wait({running}, timeout=every)
+            if done:
+                break
+            _, read = await self.client.transaction([], then=(
+                "XREADGROUP", "GROUP", SCHEDULERS, self.worker_id, "COUNT", room - len(taken),
+                "STREAMS", self.keys.requests, ">"))
+            taken += group_entries(read)
+        return taken
 
     async def exchange(self, room: int) -> tuple[list, list]:
         """One round trip, in one write (StreamClient.transaction, past
