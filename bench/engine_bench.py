@@ -76,11 +76,14 @@ def main() -> None:
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     parser.add_argument("--model", default="SmolLM2-135M-Instruct",
                         help="a local HF directory, or the default model")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | int8")
+    parser.add_argument("--prompt-words", type=int, default=24)
     args = parser.parse_args()
     path = resolve_model(args.model).path
     tokenizer = AutoTokenizer.from_pretrained(path)
     config = SchedulerConfig(dtype=args.dtype, activations=args.activations,
-                             max_running_requests=64, device=args.device)
+                             max_running_requests=64, device=args.device,
+                             kv_cache_dtype=args.kv_cache_dtype)
     engine = Engine(path, config)
     cuda = engine.device.type == "cuda"
     if args.hf_dtype == "auto":
@@ -89,7 +92,8 @@ def main() -> None:
     eager = Engine(path, replace(config, cuda_graph_max_batch=0)) if engine.graphs else None
     hf = None if args.skip_hf else AutoModelForCausalLM.from_pretrained(
         path, dtype=getattr(torch, args.hf_dtype)).to(engine.device)
-    print(f"engine dtype {engine.dtype} on {engine.device}, {engine.kernels}, transformers "
+    print(f"engine dtype {engine.dtype} on {engine.device}, KV cache {engine.cache.dtype}, "
+          f"{engine.kernels}, transformers "
           f"dtype {args.hf_dtype}, threads {torch.get_num_threads()}, {args.num_new} new tokens")
     for warming in (engine, eager):
         if warming is not None:
@@ -97,7 +101,7 @@ def main() -> None:
     if hf is not None:
         run_transformers(hf, make_prompts(tokenizer, 4), 8, 2)
     for batch in (int(b) for b in args.batches.split(",")):
-        prompts = make_prompts(tokenizer, batch)
+        prompts = make_prompts(tokenizer, batch, args.prompt_words)
         if eager is not None:
             plain, plain_first = run_engine(eager, prompts, args.num_new)
             report("eager engine", batch, args.num_new, plain, plain_first)

@@ -56,6 +56,10 @@ Activations = Annotated[str, _opt("ACTIVATIONS", "auto | exact | int8: what a 4-
                                  "as llama.cpp runs a GGUF; auto: int8 where that is the "
                                  "fastest kernel on this CPU).")]
 Device = Annotated[str, _opt("DEVICE", "auto | cpu | cuda.")]
+KvCacheDtype = Annotated[str, _opt("KV_CACHE_DTYPE", "auto | int8: the KV cache's dtype (auto: "
+                                   "the model's; int8: keys and values rounded to 8 bits per "
+                                   "token and head, half of bf16's memory, on a CPU with "
+                                   "AVX-512 VNNI).")]
 Threads = Annotated[int | None, _opt("NUM_THREADS", "torch threads per scheduler.")]
 CudaGraphs = Annotated[int, _opt("CUDA_GRAPH_MAX_BATCH", "On CUDA with flashinfer, decode steps "
                                  "of up to this many requests replay CUDA graphs; 0: off.")]
@@ -77,7 +81,8 @@ def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: in
                  quantization: str, activations: str, device: str,
                  num_threads: int | None, cuda_graph_max_batch: int,
                  request_timeout: float, max_queued_requests: int,
-                 alive_ttl_s: float, stream_interval: int) -> Config:
+                 alive_ttl_s: float, stream_interval: int,
+                 kv_cache_dtype: str = "auto") -> Config:
     return Config(
         model=model,
         redis=RedisConfig(url=redis_url, prefix=prefix, alive_ttl_s=alive_ttl_s,
@@ -88,7 +93,8 @@ def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: in
                                   max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb,
                                   dtype=dtype, quantization=quantization,
                                   activations=activations, device=device, num_threads=num_threads,
-                                  cuda_graph_max_batch=cuda_graph_max_batch),
+                                  cuda_graph_max_batch=cuda_graph_max_batch,
+                                  kv_cache_dtype=kv_cache_dtype),
     )
 
 
@@ -101,6 +107,7 @@ def child_env(config: Config, redis_url: str, log_level: str, api_workers: int) 
         "MAX_RUNNING_REQUESTS": config.scheduler.max_running_requests,
         "MAX_BATCH_TOKENS": config.scheduler.max_batch_tokens,
         "KV_CACHE_MB": config.scheduler.kv_cache_mb, "DTYPE": config.scheduler.dtype,
+        "KV_CACHE_DTYPE": config.scheduler.kv_cache_dtype,
         "QUANTIZATION": config.scheduler.quantization,
         "ACTIVATIONS": config.scheduler.activations,
         "DEVICE": config.scheduler.device, "NUM_THREADS": config.scheduler.num_threads,
@@ -127,6 +134,7 @@ def serve(
     detokenizers: Annotated[int, _opt("DETOKENIZERS", "Detokenizer processes.")] = 1,
     api_key: ApiKey = None, max_running_requests: MaxRunning = None,
     max_batch_tokens: MaxBatchTokens = None, kv_cache_mb: KvCacheMb = None, dtype: Dtype = "auto",
+    kv_cache_dtype: KvCacheDtype = "auto",
     quantization: Quantization = "auto", activations: Activations = "auto",
     device: Device = "auto", num_threads: Threads = None, cuda_graph_max_batch: CudaGraphs = 256,
     request_timeout: Timeout = 600.0,
@@ -149,6 +157,7 @@ def serve(
         max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb, dtype=dtype,
         quantization=quantization, activations=activations, device=device,
         num_threads=num_threads, cuda_graph_max_batch=cuda_graph_max_batch,
+        kv_cache_dtype=kv_cache_dtype,
         request_timeout=request_timeout,
         max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s,
         stream_interval=stream_interval)
@@ -166,6 +175,7 @@ def worker(
     api_workers: Annotated[int, _opt("API_WORKERS", "uvicorn worker processes (api).")] = 1,
     api_key: ApiKey = None, max_running_requests: MaxRunning = None,
     max_batch_tokens: MaxBatchTokens = None, kv_cache_mb: KvCacheMb = None, dtype: Dtype = "auto",
+    kv_cache_dtype: KvCacheDtype = "auto",
     quantization: Quantization = "auto", activations: Activations = "auto",
     device: Device = "auto", num_threads: Threads = None, cuda_graph_max_batch: CudaGraphs = 256,
     request_timeout: Timeout = 600.0,
@@ -182,6 +192,7 @@ def worker(
         max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb, dtype=dtype,
         quantization=quantization, activations=activations, device=device,
         num_threads=num_threads, cuda_graph_max_batch=cuda_graph_max_batch,
+        kv_cache_dtype=kv_cache_dtype,
         request_timeout=request_timeout,
         max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s,
         stream_interval=stream_interval)

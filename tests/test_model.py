@@ -26,17 +26,19 @@ from workers.scheduler.sequence import Sequence
 BLOCK = 16
 
 
-def fresh_cache(model: LlamaModel) -> tuple[BlockAllocator, TorchAttention]:
+def fresh_cache(model: LlamaModel,
+                kv_cache_dtype: str = "auto") -> tuple[BlockAllocator, TorchAttention]:
     spec = model.spec
     cache = make_cache("torch", spec.num_layers, 64, BLOCK, spec.num_kv_heads, spec.head_dim,
-                       model.dtype, torch.device("cpu"))
+                       model.dtype, torch.device("cpu"), kv_cache_dtype)
     return (BlockAllocator(64, BLOCK),
             TorchAttention(cache, spec.num_heads, spec.num_kv_heads, spec.head_dim))
 
 
-def all_logits(model: LlamaModel, prompts: list[list[int]]) -> list[torch.Tensor]:
+def all_logits(model: LlamaModel, prompts: list[list[int]],
+               kv_cache_dtype: str = "auto") -> list[torch.Tensor]:
     """Logits at every position of every prompt, all prompts in one forward."""
-    allocator, attention = fresh_cache(model)
+    allocator, attention = fresh_cache(model, kv_cache_dtype)
     plan = StepPlan(block_size=BLOCK)
     for i, ids in enumerate(prompts):
         seq = Sequence(str(i), ids, len(ids), Sampling(), 0, i)
@@ -50,10 +52,11 @@ def all_logits(model: LlamaModel, prompts: list[list[int]]) -> list[torch.Tensor
     return list(logits.split([len(p) for p in prompts]))
 
 
-def decode_logits(model: LlamaModel, prompt: list[int]) -> torch.Tensor:
+def decode_logits(model: LlamaModel, prompt: list[int],
+                  kv_cache_dtype: str = "auto") -> torch.Tensor:
     """Logits at every position of one prompt fed a token a step, as decoding
     runs: one row per forward, attending to the cache."""
-    allocator, attention = fresh_cache(model)
+    allocator, attention = fresh_cache(model, kv_cache_dtype)
     seq = Sequence("0", prompt, len(prompt), Sampling(), 0, 0)
     allocator.allocate(seq.request_id, prompt)
     rows = []
@@ -180,6 +183,34 @@ def test_int8_activations_on_an_fp32_model_stay_close_to_transformers(model_file
         log_p, log_q = torch.log_softmax(theirs, -1), torch.log_softmax(mine, -1)
         assert (log_p.exp() * (log_p - log_q)).sum(-1).mean().item() < max_kl
         assert (mine.argmax(-1) == theirs.argmax(-1)).float().mean().item() >= min_agree
+
+
+def test_an_int8_kv_cache_keeps_the_logits_as_close_to_transformers(model_files, hf_smollm,
+                                                                    prompts):
+    """--kv-cache-dtype int8 on the CPU's default kernels (bf16, int8
+    activations): within the int8 tolerances, and its mean KL within 0.003 of
+    the bf16 cache's (measured on 7 chats: 0.0085 against 0.0090 in one
+    forward, 0.0066 against 0.0069 token by token)."""
+    from workers.scheduler import paged
+
+    if paged.load_int8() is None:
+        pytest.skip("no AVX-512 VNNI CPU or no C compiler")
+    chats = prompts[:len(TEXTS)]
+    model = load_with(model_files.path, torch.bfloat16, *INT8_KERNELS["int8"])
+    references = reference_logits(hf_smollm, chats * 2)
+    max_difference, max_kl, min_agree = TOLERANCES["int8"]
+    mean_kl = {}
+    for kv in ("auto", "int8"):
+        ours = all_logits(model, chats, kv) + [decode_logits(model, chat, kv) for chat in chats]
+        kls = []
+        for mine, theirs in zip(ours, references, strict=True):
+            assert (mine - theirs).abs().max().item() < max_difference
+            log_p, log_q = torch.log_softmax(theirs, -1), torch.log_softmax(mine, -1)
+            kls.append((log_p.exp() * (log_p - log_q)).sum(-1).mean().item())
+            assert (mine.argmax(-1) == theirs.argmax(-1)).float().mean().item() >= min_agree
+        mean_kl[kv] = sum(kls) / len(kls)
+    assert mean_kl["int8"] < max_kl
+    assert mean_kl["int8"] < mean_kl["auto"] + 0.003, mean_kl
 
 
 def test_spec_reads_smollm2_config(model_files):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pipeline.errors import ConfigError
 from workers.scheduler import paged
 from workers.scheduler.batcher import StepPlan
 from workers.scheduler.blocks import Copy
@@ -27,13 +28,21 @@ class KVCache:
         shape = ((num_blocks, block_size, num_kv_heads, head_dim) if layout == "NHD"
                  else (num_kv_heads, num_blocks * block_size, head_dim))
         self.dtype = dtype
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # int8 (HND only): keys' levels + 128 as uint8, values' levels as int8, and an
+        # fp32 scale per slot and head beside each (paged_int8.c)
+        k_dtype = torch.uint8 if dtype == torch.int8 else dtype
+        self.k = [torch.zeros(shape, dtype=k_dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_scale: list[torch.Tensor] = []
+        self.v_scale: list[torch.Tensor] = []
+        if dtype == torch.int8:
+            self.k_scale, self.v_scale = ([torch.zeros(shape[:2], device=device)
+                                           for _ in range(num_layers)] for _ in range(2))
         self.block_size, self.layout = block_size, layout
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (*self.k, *self.v))
+        return sum(t.nbytes for t in (*self.k, *self.v, *self.k_scale, *self.v_scale))
 
     def copy(self, copies: list[Copy]) -> None:
         """Each copy's slots, every layer's keys and values (BlockAllocator's
@@ -44,7 +53,7 @@ class KVCache:
         device = self.k[0].device
         source_t = torch.tensor(source, dtype=torch.long, device=device)
         target_t = torch.tensor(target, dtype=torch.long, device=device)
-        for cache in (*self.k, *self.v):
+        for cache in (*self.k, *self.v, *self.k_scale, *self.v_scale):
             # by slot: NHD's [blocks, block_size, ...] is [slots, ...]; HND's slots are dim 1
             flat, dim = (cache.flatten(0, 1), 0) if self.layout == "NHD" else (cache, 1)
             flat.index_copy_(dim, target_t, flat.index_select(dim, source_t))
@@ -52,7 +61,8 @@ class KVCache:
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                     dtype: torch.dtype) -> int:
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+    per_slot = head_dim * dtype.itemsize + (4 if dtype == torch.int8 else 0)  # int8: a scale
+    return 2 * num_layers * block_size * num_kv_heads * per_slot
 
 
 def slot_mapping(plan: StepPlan, tables: list[list[int]]) -> list[int]:
@@ -92,6 +102,10 @@ class TorchAttention:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.meta: TorchMeta | None = None
+        if cache.dtype == torch.int8:  # only our kernel reads it (kv_dtype checked it runs)
+            self.in_place = True
+            self.kernel = paged.InPlace(cache.k, cache.v, scales=(cache.k_scale, cache.v_scale))
+            return
         can = (cache.dtype in (torch.float32, torch.bfloat16) and cache.k[0].device.type == "cpu"
                and paged.load() is not None)
         self.in_place = can if in_place is None else in_place and can
@@ -224,15 +238,25 @@ def choose_backend(name: str, device: torch.device) -> str:
 
 def make_cache(backend: str, num_layers: int, num_blocks: int, block_size: int,
                num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-               device: torch.device) -> KVCache:
+               device: torch.device, kv_cache_dtype: str = "auto") -> KVCache:
     return KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim,
-                   kv_dtype(backend, dtype, device), device,
+                   kv_dtype(backend, dtype, device, kv_cache_dtype), device,
                    "NHD" if backend == "flashinfer" else "HND")
 
 
-def kv_dtype(backend: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The torch backend on the CPU keeps fp32, where torch's bf16 bmm is slow,
-    except for a bf16 model on our kernel, which reads bf16 (half the bytes)."""
+def kv_dtype(backend: str, dtype: torch.dtype, device: torch.device,
+             kv_cache_dtype: str = "auto") -> torch.dtype:
+    """auto: the torch backend on the CPU keeps fp32, where torch's bf16 bmm is
+    slow, except for a bf16 model on our kernel, which reads bf16 (half the
+    bytes); elsewhere the model's dtype. int8: 8-bit levels (half of bf16's
+    bytes again), read by paged_int8.c on a CPU with AVX-512 VNNI only."""
+    if kv_cache_dtype not in ("auto", "int8"):
+        raise ConfigError(f"unknown kv cache dtype {kv_cache_dtype!r}: auto or int8")
+    if kv_cache_dtype == "int8":
+        if backend != "torch" or device.type != "cpu" or paged.load_int8() is None:
+            raise ConfigError("an int8 KV cache runs on the CPU only, with AVX-512 VNNI and "
+                              "a C compiler")
+        return torch.int8
     if backend != "torch" or device.type != "cpu":
         return dtype
     return torch.bfloat16 if dtype == torch.bfloat16 and paged.load() is not None else torch.float32

@@ -347,6 +347,7 @@ class Scheduler:
         return {"model": self.config.model, "device": engine.device.type,
                 "dtype": str(engine.dtype).removeprefix("torch."),
                 "attention": engine.backend,
+                "kv_cache_dtype": str(engine.cache.dtype).removeprefix("torch."),
                 "cuda_graphs": engine.graphs.sizes[-1] if engine.graphs else 0,
                 "quantization": engine.quantization,
                 "dense_matmul": "onednn" if engine.kernels.onednn else "torch",

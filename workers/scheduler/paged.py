@@ -13,11 +13,19 @@ import torch
 from workers.scheduler import native
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
+INT8_SOURCE = Path(__file__).with_name("paged_int8.c")
+INT8_FLAGS = (*native.AVX512, "-mavx512vnni")
 
 
 P, I32, I64 = native.P, native.I32, native.I64
 SIGNATURES = {"paged_decode": [P, I64, P, I64, P, I64, I32, I32, P, I32, I32, I32, I32, P, P, I64,
                                P, I32, P, I32, native.F32, P]}
+INT8_SIGNATURES = {"paged_decode_int8": SIGNATURES["paged_decode"]}
+
+
+class Int8Cache(ctypes.Structure):
+    """paged_int8.c's view of a layer's 8-bit keys or values."""
+    _fields_ = [("levels", ctypes.c_void_p), ("scales", ctypes.c_void_p)]
 
 
 @cache
@@ -25,6 +33,13 @@ def load() -> ctypes.CDLL | None:
     """On a bf16 cache the AVX-512 build takes AVX-512's bf16 dot product
     (attention_avx512.h)."""
     return native.load_best(SOURCE, SIGNATURES)
+
+
+@cache
+def load_int8() -> ctypes.CDLL | None:
+    """The kernel over an 8-bit cache (paged_int8.c), where the CPU has AVX-512 VNNI."""
+    return native.load(INT8_SOURCE, INT8_SIGNATURES, INT8_FLAGS,
+                       native.NEEDS_AVX512 | {"avx512_vnni"})
 
 
 def build(flags: tuple[str, ...] = ()) -> Path:
@@ -39,17 +54,28 @@ def rows_of(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class InPlace:
-    """The kernel bound to one KV cache ([kv_heads, slots, dim] a layer, bf16 or
-    fp32): the caches' pointers are taken once, a step's tables once a step, so
+    """The kernel bound to one KV cache ([kv_heads, slots, dim] a layer, bf16,
+    fp32 or 8-bit levels): the caches' pointers are taken once, a step's tables once a step, so
     each layer's call does little in Python (30 of them a step)."""
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                 lib: ctypes.CDLL | None = None):
-        """`lib`: a build of the kernel other than load()'s."""
-        self.kernel = (lib or load()).paged_decode
-        self.k, self.v = [t.data_ptr() for t in k_caches], [t.data_ptr() for t in v_caches]
+                 lib: ctypes.CDLL | None = None,
+                 scales: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None):
+        """`lib`: a build of the kernel other than load()'s. `scales`: an 8-bit
+        cache's (KVCache.k_scale, v_scale), read through an Int8Cache a layer
+        (self.k, self.v: their addresses); its queries and outputs are bf16."""
         self.kv_heads, self.slots, self.dim = k_caches[0].shape
-        self.dtype = k_caches[0].dtype
+        if scales is None:
+            self.kernel = (lib or load()).paged_decode
+            self.dtype = k_caches[0].dtype
+            self.k, self.v = [t.data_ptr() for t in k_caches], [t.data_ptr() for t in v_caches]
+            return
+        self.kernel = (lib or load_int8()).paged_decode_int8
+        self.dtype = torch.bfloat16
+        self.int8 = [[Int8Cache(t.data_ptr(), s.data_ptr()) for t, s in zip(caches, group,
+                                                                            strict=True)]
+                     for caches, group in ((k_caches, scales[0]), (v_caches, scales[1]))]
+        self.k, self.v = ([ctypes.addressof(c) for c in caches] for caches in self.int8)
         self.step_tensors: tuple = ()
         self.step_args: tuple = ()
 

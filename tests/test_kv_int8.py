@@ -1,0 +1,165 @@
+"""The 8-bit KV cache (--kv-cache-dtype int8, paged_int8.c): a step's new keys
+and values rounded to 127 levels per token and head, attention over them
+against the same attention computed from the levels in fp32, and against an
+exact cache; its copies and its configuration."""
+
+import random
+
+import pytest
+import torch
+
+from pipeline.errors import ConfigError
+from pipeline.messages import Sampling
+from workers.scheduler import paged
+from workers.scheduler.attention import KVCache, TorchAttention, kv_dtype, make_cache
+from workers.scheduler.batcher import Chunk, StepPlan
+from workers.scheduler.blocks import Copy
+from workers.scheduler.sequence import Sequence
+
+pytestmark = pytest.mark.skipif(paged.load_int8() is None,
+                                reason="no AVX-512 VNNI CPU or no C compiler")
+BLOCKS, BLOCK = 40, 16
+CPU = torch.device("cpu")
+
+
+def step(kv: str, lengths: list[int], prefill: int, prefill_from: int = 0, heads: int = 9,
+         kv_heads: int = 3, dim: int = 64, sharpness: float = 1.0):
+    """One layer's step over a cache filled by earlier steps of the same
+    kernel: decodes at `lengths`, then a prefill chunk (positions
+    prefill_from..prefill). Returns the output, the cache, the plan and tables."""
+    generator = torch.Generator().manual_seed(0)
+    cache = make_cache("torch", 1, BLOCKS, BLOCK, kv_heads, dim, torch.bfloat16, CPU, kv)
+    blocks = list(range(BLOCKS))
+    random.Random(0).shuffle(blocks)
+    chunks, history, tables = [], [], []
+    for i, length in enumerate([*lengths, prefill]):
+        seq = Sequence(str(i), [1] * length, length, Sampling(), 0, i)
+        start = length - 1 if i < len(lengths) else prefill_from
+        chunks.append(Chunk(seq, start, length - start))
+        history.append(Chunk(seq, 0, start))
+        tables.append([blocks.pop() for _ in range(-(-length // BLOCK))])
+    attention = TorchAttention(cache, heads, kv_heads, dim)
+    assert attention.in_place
+    out = None
+    for plan_chunks in ([c for c in history if c.num_tokens], chunks):  # the past, then the step
+        plan = StepPlan(plan_chunks, block_size=BLOCK)
+        used = [tables[int(c.seq.request_id)] for c in plan_chunks]
+        attention.prepare(plan, used, CPU)
+        rows = plan.num_tokens
+        q = sharpness * torch.randn(rows, heads, dim, generator=generator)
+        k, v = (torch.randn(rows, kv_heads, dim, generator=generator) for _ in range(2))
+        qkv = torch.cat([q, k, v], dim=1).bfloat16()
+        q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+        with torch.inference_mode():
+            out = attention(0, q, k, v).float()
+    return out, cache, q.float(), chunks, tables
+
+
+def attend_levels(cache: KVCache, q: torch.Tensor, chunks: list[Chunk],
+                  tables: list[list[int]]) -> torch.Tensor:
+    """The step's attention in fp32 from the cache's levels and scales."""
+    keys = (cache.k[0].float() - 128) * cache.k_scale[0][..., None]  # [kv_heads, slots, dim]
+    values = cache.v[0].float() * cache.v_scale[0][..., None]
+    kv_heads, _, dim = keys.shape
+    rows = []
+    for chunk, table in zip(chunks, tables, strict=True):
+        for position in range(chunk.start, chunk.start + chunk.num_tokens):
+            slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK
+                                  for p in range(position + 1)])
+            query = q[len(rows)].view(kv_heads, -1, dim)
+            scores = query @ keys[:, slots].transpose(1, 2) * dim ** -0.5
+            rows.append((scores.softmax(-1) @ values[:, slots]).reshape(-1))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("sharpness", [0.01, 1.0, 30.0])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (8, 8, 64), (10, 2, 64),
+                                                  (8, 2, 128)])
+def test_attention_reads_its_levels_as_fp32_would(heads, kv_heads, dim, sharpness):
+    """Decodes at uneven lengths and a prefill continuing a cached prefix, every
+    group size's remainder (3 query heads a pass) and dims 64 and 128: within
+    bf16's rounding of the output (the queries' 14 bits and the weights' 16
+    are finer)."""
+    out, cache, q, chunks, tables = step("int8", [1, 5, 16, 33, 100, 2], 40, 17, heads,
+                                         kv_heads, dim, sharpness)
+    expected = attend_levels(cache, q, chunks, tables)
+    assert out.shape == expected.shape
+    assert (out - expected).abs().max().item() <= 2 ** -8 * expected.abs().max().item()
+    assert expected.abs().max().item() > 0.1
+
+
+def test_attention_stays_near_an_exact_cache():
+    (ours, *_), (exact, *_) = (step(kv, [5, 16, 33, 100], 40, 17) for kv in ("int8", "auto"))
+    assert ((ours - exact).norm() / exact.norm()).item() < 0.03  # measured ~0.01
+
+
+def test_new_keys_and_values_are_127_levels_of_their_own_max():
+    _, cache, *_ = step("int8", [5, 33], 20)
+    written = cache.k_scale[0] > 0  # [kv_heads, slots]
+    assert written.sum().item() == 3 * (5 + 33 + 20)
+    keys, values = cache.k[0][written].int() - 128, cache.v[0][written].int()
+    for levels in (keys, values):
+        assert levels.abs().max(-1).values.eq(127).all()  # each row's largest is its max
+
+
+def test_a_copy_moves_the_scales_too():
+    cache = KVCache(2, 6, 4, 3, 64, torch.int8, CPU, "HND")
+    for tensor in (*cache.k, *cache.v):
+        tensor.copy_(torch.randint(-127, 128, tensor.shape).to(tensor.dtype))
+    for tensor in (*cache.k_scale, *cache.v_scale):
+        tensor.copy_(torch.rand(tensor.shape))
+    before = [t.clone() for t in (*cache.k, *cache.v, *cache.k_scale, *cache.v_scale)]
+    cache.copy([Copy(1, 4, 3)])
+    for old, new in zip(before, (*cache.k, *cache.v, *cache.k_scale, *cache.v_scale),
+                        strict=True):
+        assert torch.equal(new[:, 16:19], old[:, 4:7])
+        assert torch.equal(new[:, :16], old[:, :16]) and torch.equal(new[:, 19:], old[:, 19:])
+
+
+def test_int8_takes_half_the_bytes_of_bf16_and_its_scales():
+    from workers.scheduler.attention import bytes_per_block
+
+    bf16, int8 = (bytes_per_block(30, 16, 3, 64, dtype) for dtype in (torch.bfloat16, torch.int8))
+    assert int8 == 2 * 30 * 16 * 3 * (64 + 4) and bf16 == 2 * int8 - 2 * 2 * 30 * 16 * 3 * 4
+
+
+def test_int8_is_refused_where_our_kernel_does_not_read_it():
+    with pytest.raises(ConfigError, match="CPU only"):
+        kv_dtype("flashinfer", torch.bfloat16, torch.device("cuda"), "int8")
+    with pytest.raises(ConfigError, match="auto or int8"):
+        kv_dtype("torch", torch.bfloat16, CPU, "fp8")
+    assert kv_dtype("torch", torch.bfloat16, CPU, "int8") == torch.int8
+
+
+def test_an_engine_reusing_int8_blocks_answers_as_a_cold_one(model_files):
+    """Chats one by one, each reusing the cached blocks of the ones before (the
+    template's system prompt: whole blocks shared, the part of the next one
+    copied with its scales), give the greedy tokens of an engine that computes
+    each chat cold: a reused slot holds the levels and scales it was written
+    with. fp32 weights, whose kernels are exact."""
+    from transformers import AutoTokenizer
+
+    from pipeline.config import SchedulerConfig
+    from workers.scheduler.engine import Engine, EngineRequest
+
+    tokenizer = AutoTokenizer.from_pretrained(model_files.path)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True,
+                                             tokenize=True)["input_ids"]
+               for text in ("What is the capital of France?", "List three colors.",
+                            "Write a haiku about the sea.")]
+    greedy = Sampling(max_tokens=10, temperature=0.0)
+
+    def run(engine: Engine, prompt: list[int]) -> list[int]:
+        engine.add(EngineRequest("0", prompt, [], greedy))
+        out = []
+        while engine.has_work():
+            out += [token for result in engine.step() for token in result.new_ids]
+        return out
+
+    config = SchedulerConfig(dtype="float32", kv_cache_dtype="int8")
+    warm = Engine(model_files.path, config)
+    reused = [run(warm, prompt) for prompt in prompts]
+    assert warm.stats().num_prefix_hit_tokens >= 2 * 24  # the system prompt, twice
+    assert reused == [run(Engine(model_files.path, config), prompt) for prompt in prompts]
+    assert len({tuple(ids) for ids in reused}) == len(prompts)
