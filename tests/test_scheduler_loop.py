@@ -21,7 +21,7 @@ def submit(request_id: str, num_tokens: int) -> Submit:
 def test_a_request_arriving_during_a_step_joins_right_after_it(redis_url, prefix, model_files):
     """The step's first read has passed when the second request arrives; a
     read while the engine still runs takes it, so it is running when the step
-    ends, not a step later."""
+    ends, not a step later (as after long steps: prefill chunks here)."""
     config = Config(model=str(model_files.path), redis=RedisConfig(url=redis_url, prefix=prefix))
     engine = Engine(model_files.path, SchedulerConfig())
     keys, client = Keys(prefix), StreamClient(redis_url)
@@ -38,6 +38,7 @@ def test_a_request_arriving_during_a_step_joins_right_after_it(redis_url, prefix
         await client.add(keys.requests, submit("long", 3000))
         await scheduler.step()  # idle: takes it
         assert list(scheduler.running) == ["long"]
+        await scheduler.step()  # its first 512-token chunk: the recent steps are long ones
 
         async def arrive_later() -> float:
             await asyncio.sleep(2 * PULL_EVERY_S)

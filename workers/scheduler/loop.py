@@ -145,9 +145,13 @@ class Scheduler:
         """Requests that arrive while the engine steps, pulled every half a
         step (the recent steps' average, PULL_EVERY_S at least) up to `room`,
         so that they join after this step, not the next: one read at the
-        step's start left an arrival waiting 1.5 steps on average."""
+        step's start left an arrival waiting 1.5 steps on average. Steps
+        shorter than two such periods (a few decodes) are left alone: there
+        the wait costs more than it saves."""
         taken: list = []
         every = max(PULL_EVERY_S, self.step_s / 2)
+        if self.step_s < 2 * PULL_EVERY_S:
+            return taken
         while room > len(taken):
             done, _ = await asyncio.wait({running}, timeout=every)
             if done:
