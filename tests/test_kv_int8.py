@@ -74,10 +74,10 @@ def attend_levels(cache: KVCache, q: torch.Tensor, chunks: list[Chunk],
 
 @pytest.mark.parametrize("sharpness", [0.01, 1.0, 30.0])
 @pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (8, 8, 64), (10, 2, 64),
-                                                  (8, 2, 128)])
+                                                  (8, 2, 128), (4, 2, 256)])
 def test_attention_reads_its_levels_as_fp32_would(heads, kv_heads, dim, sharpness):
     """Decodes at uneven lengths and a prefill continuing a cached prefix, every
-    group size's remainder (3 query heads a pass) and dims 64 and 128: within
+    group size's remainder (3 query heads a pass) and dims 64, 128 and 256: within
     bf16's rounding of the output (the queries' 14 bits and the weights' 16
     are finer)."""
     out, cache, q, chunks, tables = step("int8", [1, 5, 16, 33, 100, 2], 40, 17, heads,
@@ -128,7 +128,9 @@ def test_int8_is_refused_where_our_kernel_does_not_read_it():
         kv_dtype("flashinfer", torch.bfloat16, torch.device("cuda"), "int8")
     with pytest.raises(ConfigError, match="auto or int8"):
         kv_dtype("torch", torch.bfloat16, CPU, "fp8")
-    assert kv_dtype("torch", torch.bfloat16, CPU, "int8") == torch.int8
+    with pytest.raises(ConfigError, match="64, 128 or 256"):
+        kv_dtype("torch", torch.bfloat16, CPU, "int8", 96)
+    assert kv_dtype("torch", torch.bfloat16, CPU, "int8", 128) == torch.int8
 
 
 def test_an_engine_reusing_int8_blocks_answers_as_a_cold_one(model_files):

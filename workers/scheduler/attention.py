@@ -240,22 +240,26 @@ def make_cache(backend: str, num_layers: int, num_blocks: int, block_size: int,
                num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                device: torch.device, kv_cache_dtype: str = "auto") -> KVCache:
     return KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim,
-                   kv_dtype(backend, dtype, device, kv_cache_dtype), device,
+                   kv_dtype(backend, dtype, device, kv_cache_dtype, head_dim), device,
                    "NHD" if backend == "flashinfer" else "HND")
 
 
 def kv_dtype(backend: str, dtype: torch.dtype, device: torch.device,
-             kv_cache_dtype: str = "auto") -> torch.dtype:
+             kv_cache_dtype: str = "auto", head_dim: int = 64) -> torch.dtype:
     """auto: the torch backend on the CPU keeps fp32, where torch's bf16 bmm is
     slow, except for a bf16 model on our kernel, which reads bf16 (half the
     bytes); elsewhere the model's dtype. int8: 8-bit levels (half of bf16's
-    bytes again), read by paged_int8.c on a CPU with AVX-512 VNNI only."""
+    bytes again), read by paged_int8.c on a CPU with AVX-512 VNNI only, for
+    heads of 64, 128 or 256 dims."""
     if kv_cache_dtype not in ("auto", "int8"):
         raise ConfigError(f"unknown kv cache dtype {kv_cache_dtype!r}: auto or int8")
     if kv_cache_dtype == "int8":
         if backend != "torch" or device.type != "cpu" or paged.load_int8() is None:
             raise ConfigError("an int8 KV cache runs on the CPU only, with AVX-512 VNNI and "
                               "a C compiler")
+        if head_dim not in (64, 128, 256):
+            raise ConfigError(f"an int8 KV cache takes heads of 64, 128 or 256 dims, not "
+                              f"{head_dim}")
         return torch.int8
     if backend != "torch" or device.type != "cpu":
         return dtype

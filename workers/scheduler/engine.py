@@ -137,7 +137,7 @@ class Engine:
         self.backend = backend = choose_backend(config.attention_backend, self.device)
         per_block = bytes_per_block(spec.num_layers, config.block_size, spec.num_kv_heads,
                                     spec.head_dim, kv_dtype(backend, self.dtype, self.device,
-                                                            config.kv_cache_dtype))
+                                                            config.kv_cache_dtype, spec.head_dim))
         num_blocks = config.kv_cache_mb * 2**20 // per_block
         graph_batch = graph_batch_size(config, self.device, backend)
         usable = num_blocks - (1 if graph_batch else 0)  # graphs' padding rows write to one

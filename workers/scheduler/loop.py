@@ -149,9 +149,9 @@ class Scheduler:
         shorter than two such periods (a few decodes) are left alone: there
         the wait costs more than it saves."""
         taken: list = []
-        every = max(PULL_EVERY_S, self.step_s / 2)
         if self.step_s < 2 * PULL_EVERY_S:
             return taken
+        every = self.step_s / 2
         while room > len(taken):
             done, _ = await asyncio.wait({running}, timeout=every)
             if done:

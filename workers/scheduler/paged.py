@@ -55,8 +55,9 @@ def rows_of(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class InPlace:
     """The kernel bound to one KV cache ([kv_heads, slots, dim] a layer, bf16,
-    fp32 or 8-bit levels): the caches' pointers are taken once, a step's tables once a step, so
-    each layer's call does little in Python (30 of them a step)."""
+    fp32 or 8-bit levels): the caches' pointers are taken once, a step's
+    tables once a step, so each layer's call does little in Python (30 of
+    them a step)."""
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  lib: ctypes.CDLL | None = None,
@@ -65,6 +66,8 @@ class InPlace:
         cache's (KVCache.k_scale, v_scale), read through an Int8Cache a layer
         (self.k, self.v: their addresses); its queries and outputs are bf16."""
         self.kv_heads, self.slots, self.dim = k_caches[0].shape
+        self.step_tensors: tuple = ()
+        self.step_args: tuple = ()
         if scales is None:
             self.kernel = (lib or load()).paged_decode
             self.dtype = k_caches[0].dtype
@@ -76,8 +79,6 @@ class InPlace:
                                                                             strict=True)]
                      for caches, group in ((k_caches, scales[0]), (v_caches, scales[1]))]
         self.k, self.v = ([ctypes.addressof(c) for c in caches] for caches in self.int8)
-        self.step_tensors: tuple = ()
-        self.step_args: tuple = ()
 
     def prepare(self, slots: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
                 block_size: int) -> None:

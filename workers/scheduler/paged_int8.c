@@ -12,7 +12,7 @@
    of their max (two u8 parts), against the values of 4 positions interleaved
    (vpunpck*), 4 products a lane a vpdpbusd. Only the keys' and values' own
    rounding is an error of note: the queries' is under 1/32512 of their max,
-   the weights' under 1/131070 of theirs. dim a multiple of 64. */
+   the weights' under 1/131070 of theirs. dim 64, 128 or 256 (kv_dtype checks). */
 
 #include <math.h>
 
@@ -272,13 +272,14 @@ void paged_decode_int8(const void *q, int64_t q_stride, const void *k, int64_t k
                                             bf16, dim, 0, (uint8_t *)v_cache + at * dim);
             }
         /* one scratch a thread, for the longest sequence */
-        const size_t floats = (size_t)room * (2 + group) + (size_t)group * 2 * dim;
+        const size_t floats = (size_t)room * (2 + group) + (size_t)group * (2 * dim + 2);
         float *scratch = malloc(sizeof(float) * floats + sizeof(void *) * 2 * room +
                                 sizeof(uint32_t) * 2 * group * words + 2 * group * dim);
         float *key_scales = scratch, *value_scales = key_scales + room;
         float *score = value_scales + room, *query = score + (size_t)group * room;
-        float *result = query + group * dim;
-        const uint8_t **keys = (const uint8_t **)(result + group * dim);
+        float *result = query + group * dim, *units = result + group * dim;
+        float *inverse_sums = units + group;
+        const uint8_t **keys = (const uint8_t **)(inverse_sums + group);
         const int8_t **values = (const int8_t **)(keys + room);
         uint32_t *weights = (uint32_t *)(values + room);
         int8_t *parts = (int8_t *)(weights + 2 * group * words);
@@ -309,16 +310,16 @@ void paged_decode_int8(const void *q, int64_t q_stride, const void *k, int64_t k
                     }
                 }
                 const int64_t head = (int64_t)h * group;
-                float units[64], inverse_sums[64];  /* group <= 64 */
                 for (int g = 0; g < group; g++) {
                     load_row((const char *)q + width * (b * q_stride + (head + g) * dim), bf16,
                              query + g * dim, dim);
                     int32_t sum;
                     const float sq = split_query(query + g * dim, dim, parts, &sum);
                     float *e = score + (size_t)g * room;
-                    if (dim == 64) scores_int8(parts, sq, sum, keys, values, key_scales, len, scale, e, 64);
-                    else if (dim == 128) scores_int8(parts, sq, sum, keys, values, key_scales, len, scale, e, 128);
-                    else scores_int8(parts, sq, sum, keys, values, key_scales, len, scale, e, 256);
+                    #define SCORES(DIM) scores_int8(parts, sq, sum, keys, values, key_scales, \
+                                                    len, scale, e, DIM)
+                    if (dim == 64) SCORES(64); else if (dim == 128) SCORES(128); else SCORES(256);
+                    #undef SCORES
                     inverse_sums[g] = 1.0f / exps16(e, len);
                     units[g] = weight_words(e, value_scales, len, weights + 2 * g * words,
                                             weights + (2 * g + 1) * words);
