@@ -1,10 +1,12 @@
 /* What our C kernels share (AVX2 and FMA; AVX-512 where built for it): a vector
-   e^x, and rows of bf16 or fp32 read into and written from fp32. */
+   e^x and the softmax numerators of a row, and rows of bf16 or fp32 read into
+   and written from fp32. */
 
 #ifndef PIPELINE_KERNELS_H
 #define PIPELINE_KERNELS_H
 
 #include <immintrin.h>
+#include <math.h>
 #include <omp.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -55,6 +57,45 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_maskz_mul_ps((__mmask16)~under, e, _mm512_castsi512_ps(bits));
 }
 #endif
+
+/* x[p] = e^(x[p] - max x) in place; returns their sum (the attention kernels'
+   softmax numerators). */
+static inline float exps(float *x, int len) {
+    float top = -INFINITY, total = 0.0f;
+    int p = 0;
+#ifdef __AVX512F__
+    __m512 tops = _mm512_set1_ps(-INFINITY);
+    for (; p < len; p += 16) {
+        const __mmask16 here = first_lanes(len - p);
+        tops = _mm512_mask_max_ps(tops, here, tops, _mm512_maskz_loadu_ps(here, x + p));
+    }
+    top = _mm512_reduce_max_ps(tops);
+    p = 0;
+    __m512 max16 = _mm512_set1_ps(top), sum16 = _mm512_setzero_ps();
+    for (; p < len; p += 16) {  /* the tail in masked lanes */
+        const __mmask16 here = first_lanes(len - p);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(here, x + p), max16));
+        e = _mm512_maskz_mov_ps(here, e);
+        _mm512_mask_storeu_ps(x + p, here, e);
+        sum16 = _mm512_add_ps(sum16, e);
+    }
+    total = _mm512_reduce_add_ps(sum16);
+#else
+    for (; p < len; p++) top = x[p] > top ? x[p] : top;
+    p = 0;
+    __m256 max = _mm256_set1_ps(top), sum = _mm256_setzero_ps();
+    for (; p + 8 <= len; p += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + p), max));
+        _mm256_storeu_ps(x + p, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    for (; p < len; p++) total += x[p] = expf(x[p] - top);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, sum);
+    for (int i = 0; i < 8; i++) total += lanes[i];
+#endif
+    return total;
+}
 
 static inline float bf16_to_float(uint16_t half) {
     uint32_t bits = (uint32_t)half << 16;

@@ -43,7 +43,9 @@ static float quantize_row(const void *x, int bf16, int dim, int offset, uint8_t 
     return amax / 127.0f;
 }
 
-/* lane j: the sum of a[j]'s 16 int32 lanes (paged_attention's sums16, on int32) */
+/* lane j: the sum of a[j]'s 16 int32 lanes: attention_avx512.h's sums16 on int32, so
+   that each dot stays exact until 128 sum q is taken off (in fp32 the offset,
+   often the larger term, would round the dot away) */
 static inline __m512i sums16_epi32(const __m512i a[16]) {
     __m512i b[8], c[4];
     for (int i = 0; i < 8; i++)
@@ -122,25 +124,6 @@ static inline __attribute__((always_inline)) void scores_int8(
         __m512 scales = _mm512_maskz_loadu_ps(here, key_scales + p);
         _mm512_mask_storeu_ps(score + p, here, _mm512_mul_ps(_mm512_mul_ps(dots, unit), scales));
     }
-}
-
-/* x[p] = e^(x[p] - max x) in place; returns their sum. */
-static float exps16(float *x, int len) {
-    __m512 tops = _mm512_set1_ps(-INFINITY);
-    for (int p = 0; p < len; p += 16) {
-        const __mmask16 here = first_lanes(len - p);
-        tops = _mm512_mask_max_ps(tops, here, tops, _mm512_maskz_loadu_ps(here, x + p));
-    }
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(tops));
-    __m512 sum = _mm512_setzero_ps();
-    for (int p = 0; p < len; p += 16) {
-        const __mmask16 here = first_lanes(len - p);
-        __m512 e = _mm512_maskz_mov_ps(here, exp16(_mm512_sub_ps(
-            _mm512_maskz_loadu_ps(here, x + p), top)));
-        _mm512_mask_storeu_ps(x + p, here, e);
-        sum = _mm512_add_ps(sum, e);
-    }
-    return _mm512_reduce_add_ps(sum);
 }
 
 /* e [len] times the values' scales, rounded to 16 bits of their max: the high
@@ -320,7 +303,7 @@ void paged_decode_int8(const void *q, int64_t q_stride, const void *k, int64_t k
                                                     len, scale, e, DIM)
                     if (dim == 64) SCORES(64); else if (dim == 128) SCORES(128); else SCORES(256);
                     #undef SCORES
-                    inverse_sums[g] = 1.0f / exps16(e, len);
+                    inverse_sums[g] = 1.0f / exps(e, len);
                     units[g] = weight_words(e, value_scales, len, weights + 2 * g * words,
                                             weights + (2 * g + 1) * words);
                 }
