@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     parser.add_argument("--model", default="SmolLM2-135M-Instruct",
                         help="a local HF directory, or the default model")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | int8")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | model | int8")
     parser.add_argument("--prompt-words", type=int, default=24)
     args = parser.parse_args()
     path = resolve_model(args.model).path

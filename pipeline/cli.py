@@ -56,10 +56,11 @@ Activations = Annotated[str, _opt("ACTIVATIONS", "auto | exact | int8: what a 4-
                                  "as llama.cpp runs a GGUF; auto: int8 where that is the "
                                  "fastest kernel on this CPU).")]
 Device = Annotated[str, _opt("DEVICE", "auto | cpu | cuda.")]
-KvCacheDtype = Annotated[str, _opt("KV_CACHE_DTYPE", "auto | int8: the KV cache's dtype (auto: "
-                                   "the model's; int8: keys and values rounded to 8 bits per "
-                                   "token and head, half of bf16's memory, on a CPU with "
-                                   "AVX-512 VNNI).")]
+KvCacheDtype = Annotated[str, _opt("KV_CACHE_DTYPE", "auto | model | int8: the KV cache's dtype "
+                                   "(int8: keys and values rounded to 8 bits per token and "
+                                   "head, half of bf16's memory, on a CPU with AVX-512 VNNI; "
+                                   "model: the model's; auto: int8 for a bf16 model where it "
+                                   "runs, else model).")]
 Threads = Annotated[int | None, _opt("NUM_THREADS", "torch threads per scheduler.")]
 CudaGraphs = Annotated[int, _opt("CUDA_GRAPH_MAX_BATCH", "On CUDA with flashinfer, decode steps "
                                  "of up to this many requests replay CUDA graphs; 0: off.")]

@@ -53,8 +53,9 @@ class SchedulerConfig:
     activations: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     attention_backend: str = "auto"  # auto | torch | flashinfer
-    # auto: the model's dtype (bf16 or fp32 on the CPU) | int8: 8-bit keys and values,
-    # each with a scale per token and head (the CPU with AVX-512 VNNI only)
+    # int8: 8-bit keys and values, each with a scale per token and head (the CPU with
+    # AVX-512 VNNI only) | model: the model's dtype (bf16 or fp32 on the CPU) | auto:
+    # int8 for a bf16 model where it runs, else model
     kv_cache_dtype: str = "auto"
     # decode steps of up to this many sequences replay CUDA graphs (flashinfer on
     # CUDA; capped by max_running_requests); 0: every step runs eagerly

@@ -28,7 +28,7 @@ def step(in_place: bool, lengths: list[int], prefill: int = 0, sharpness: float 
     Returns it with the KV cache after the step."""
     generator = torch.Generator().manual_seed(0)
     cache = make_cache("torch", LAYERS, BLOCKS, BLOCK, kv_heads, DIM, dtype,
-                       torch.device("cpu"))  # bf16 for a bf16 model, else fp32
+                       torch.device("cpu"), "model")  # bf16 for a bf16 model, else fp32
     for tensor in cache.k + cache.v:
         tensor.copy_(torch.randn(tensor.shape, generator=generator))
     assert cache.dtype == (torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)

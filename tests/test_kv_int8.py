@@ -89,7 +89,7 @@ def test_attention_reads_its_levels_as_fp32_would(heads, kv_heads, dim, sharpnes
 
 
 def test_attention_stays_near_an_exact_cache():
-    (ours, *_), (exact, *_) = (step(kv, [5, 16, 33, 100], 40, 17) for kv in ("int8", "auto"))
+    (ours, *_), (exact, *_) = (step(kv, [5, 16, 33, 100], 40, 17) for kv in ("int8", "model"))
     assert ((ours - exact).norm() / exact.norm()).item() < 0.03  # measured ~0.01
 
 
@@ -126,8 +126,20 @@ def test_int8_takes_half_the_bytes_of_bf16_and_its_scales():
 def test_int8_is_refused_where_our_kernel_does_not_read_it():
     with pytest.raises(ConfigError, match="CPU only"):
         kv_dtype("flashinfer", torch.bfloat16, torch.device("cuda"), "int8")
-    with pytest.raises(ConfigError, match="auto or int8"):
+    with pytest.raises(ConfigError, match="auto, model, int8"):
         kv_dtype("torch", torch.bfloat16, CPU, "fp8")
+
+
+def test_auto_is_int8_for_a_bf16_model_where_our_kernel_reads_it():
+    from workers.scheduler import paged
+
+    int8_here = paged.load_int8() is not None
+    assert kv_dtype("torch", torch.bfloat16, CPU, "auto") == (
+        torch.int8 if int8_here else torch.bfloat16 if paged.load() else torch.float32)
+    assert kv_dtype("torch", torch.bfloat16, CPU, "auto", head_dim=96) != torch.int8
+    assert kv_dtype("torch", torch.float32, CPU, "auto") == torch.float32
+    assert kv_dtype("torch", torch.bfloat16, CPU, "model") != torch.int8
+    assert kv_dtype("flashinfer", torch.float16, torch.device("cuda"), "auto") == torch.float16
     with pytest.raises(ConfigError, match="64, 128 or 256"):
         kv_dtype("torch", torch.bfloat16, CPU, "int8", 96)
     assert kv_dtype("torch", torch.bfloat16, CPU, "int8", 128) == torch.int8
