@@ -202,6 +202,28 @@ def test_qgemm_amx_computes_on_the_dense_bf16_weight(checkpoint):
         assert relative_error(linear(x), x.float() @ dense) < 1e-2  # through Int4/Int8
 
 
+@pytest.mark.skipif(qgemm_amx.load() is None, reason="no AMX CPU or no C compiler")
+def test_dense_tiles_serve_the_batches_past_the_4bit_copy(checkpoint):
+    """Past TILE_ROWS a projection runs the dense bf16 matmul on AMX's tiles
+    (no oneDNN copy): fp32 sums of the bf16 activations and weight, for row
+    counts that fill 32-row blocks or leave 1 to 31 rows over."""
+    generator = torch.Generator().manual_seed(0)
+    down = checkpoint["model.layers.7.mlp.down_proj.weight"]
+    linear = make_linear(down, None, torch.bfloat16, "lossless",
+                         Kernels(amx=True, onednn=True, dense_tiles=True))
+    assert linear.tiles_weight is not None and linear.onednn_weight is None
+    dense = down.bfloat16().float().t()
+    for rows in (1, 16, 17, 33, TILE_ROWS + 1, 512):
+        x = torch.randn(rows, down.shape[1], generator=generator).bfloat16()
+        out = qgemm_amx.dense_matmul(x.float(), linear.tiles_weight, down.shape[0])
+        assert out.shape == (rows, down.shape[0]) and out.dtype == torch.float32
+        assert relative_error(out, x.float() @ dense) < 1e-5  # fp32 sums, summed apart
+        rounded = qgemm_amx.dense_matmul(x, linear.tiles_weight, down.shape[0])
+        assert torch.equal(rounded, out.bfloat16())  # bf16 out: the fp32 sums rounded
+    x = torch.randn(TILE_ROWS + 7, down.shape[1], generator=generator).bfloat16()
+    assert torch.equal(linear(x), qgemm_amx.dense_matmul(x, linear.tiles_weight, down.shape[0]))
+
+
 @needs_qgemm
 def test_qgemm_kernels_serve_small_batches_in_fp32(checkpoint):
     generator = torch.Generator().manual_seed(0)

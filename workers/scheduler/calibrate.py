@@ -116,9 +116,10 @@ def choose_kernels(device: torch.device, dtype: torch.dtype, spec,
         # linear.FINE_ROWS rows and int8 beyond, so that layers.c runs every step.
         # Beside AMX (auto): int8 up to linear.VNNI_BESIDE_AMX rows, the tiles on
         # bf16 beyond, up to linear.TILE_ROWS
-        return Kernels(onednn=onednn, vnni=True, amx=amx and activations == "auto")
+        tiles = amx and activations == "auto"
+        return Kernels(onednn=onednn, vnni=True, amx=tiles, dense_tiles=tiles)
     if amx:
         # Intel AMX: 0.34-0.78x oneDNN's time from 1 to 128 rows (linear.Kernels)
-        return Kernels(onednn=onednn, amx=True)
+        return Kernels(onednn=onednn, amx=True, dense_tiles=True)
     return Kernels(onednn=onednn,
                    qgemm=quantized and qgemm_is_faster(dtype, *shape, spec.vocab_size))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -103,6 +104,9 @@ def kernels_of(linear: Dense, dtype: torch.dtype) -> list[tuple[int, int, int]]:
         tiles = qgemm_amx.load()
         found.append((address(tiles.tiled_gemm), ctypes.addressof(linear.tiled.parts),
                       linear.small_batch))
+    if linear.tiles_weight is not None:  # bf16: the dense tiles serve every row count
+        found.append((address(qgemm_amx.load().dense_gemm_amx), linear.tiles_weight.data_ptr(),
+                      sys.maxsize))
     return found
 
 

@@ -54,6 +54,9 @@ class Kernels:
     vnni: bool = False  # 4- and 8-bit on int8 activations through qgemm_vnni.c
     # (with amx too: up to VNNI_BESIDE_AMX rows, the tiles beyond)
     fine: bool = False  # with vnni: its fine kernels (14-bit activations) up to FINE_ROWS
+    # bf16 batches past the narrow copy's reach on AMX's tiles (qgemm_amx.c's
+    # dense_gemm_amx) rather than oneDNN's matmul; layers.c then runs every step
+    dense_tiles: bool = False
 
     def small_batch(self, dtype: torch.dtype) -> int:
         """Rows up to which the 4-bit path beats the dense matmul, measured as
@@ -105,6 +108,7 @@ class Dense:
     tiled: qgemm_amx.Tiled | None = None
     vnni: qgemm_vnni.Blocked | None = None
     vnni_fine: qgemm_vnni.Blocked | None = None  # the same blocks on the fine kernels
+    tiles_weight: torch.Tensor | None = None  # the dense copy in AMX's lanes (qgemm_amx)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  kernels: Kernels = PLAIN, dense: bool = True):
@@ -115,7 +119,9 @@ class Dense:
         self.onednn_weight = self.weight_t = None
         if not dense:
             return
-        if kernels.onednn:
+        if uses_dense_tiles(kernels, dtype, weight):
+            self.tiles_weight = qgemm_amx.pack_dense(weight)
+        elif kernels.onednn:
             self.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(
                 weight.to(dtype).contiguous(), 64)  # the row count it packs for: a hint only
         else:
@@ -124,6 +130,9 @@ class Dense:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.small_batch:
             out = self.small(x).to(x.dtype)
+            return out if self.bias is None else out + self.bias
+        if self.tiles_weight is not None:  # any row count: no kernel is built for it
+            out = qgemm_amx.dense_matmul(x, self.tiles_weight, 16 * self.tiles_weight.shape[0])
             return out if self.bias is None else out + self.bias
         rows = x.shape[0]
         # oneDNN's, ours or under torch's bf16 matmul, keeps a kernel per row count;
@@ -250,6 +259,11 @@ class Int8(Dense):
 def uses_amx(kernels: Kernels, dtype: torch.dtype, weight: torch.Tensor) -> bool:
     return (kernels.amx and dtype == torch.bfloat16
             and qgemm_amx.fits(*weight.shape) and qgemm_amx.load() is not None)
+
+
+def uses_dense_tiles(kernels: Kernels, dtype: torch.dtype, weight: torch.Tensor) -> bool:
+    return (kernels.dense_tiles and dtype == torch.bfloat16
+            and qgemm_amx.fits_dense(*weight.shape) and qgemm_amx.load() is not None)
 
 
 def uses_vnni(kernels: Kernels, dtype: torch.dtype, weight: torch.Tensor) -> bool:

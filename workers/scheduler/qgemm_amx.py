@@ -1,8 +1,9 @@
 # The 4- and 8-bit matmul on Intel AMX tiles (qgemm_amx.c), for bf16
 # activations: it dequantizes each 16 x 32 piece of the weight once per 64 rows
 # of x, so it reads 4-bit weights where oneDNN's dense bf16 matmul reads four
-# times the bytes (linear.TILE_ROWS: the rows it serves). `load()` says None without AMX, a
-# compiler, or Linux's leave to use the tile registers.
+# times the bytes (linear.TILE_ROWS: the rows it serves); and the dense bf16
+# matmul on the same tiles for the steps past it. `load()` says None without
+# AMX, a compiler, or Linux's leave to use the tile registers.
 
 from __future__ import annotations
 
@@ -75,6 +76,26 @@ def fits(out_dim: int, in_dim: int) -> bool:
     return out_dim % 16 == 0 and in_dim % 32 == 0
 
 
+def fits_dense(out_dim: int, in_dim: int) -> bool:
+    return out_dim % 32 == 0 and in_dim % 32 == 0
+
+
+def pack_dense(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] -> bf16 in the tiles' lanes, for dense_gemm_amx."""
+    bits = weight.to(torch.bfloat16).contiguous().view(torch.int16)
+    return _tile_lanes(bits).contiguous().view(torch.bfloat16)
+
+
+def dense_matmul(x: torch.Tensor, packed: torch.Tensor, out_dim: int) -> torch.Tensor:
+    """x [rows, in] @ w.T (w from pack_dense) -> [rows, out], as `matmul`."""
+    x, dtype = qgemm.bf16_rows(x)
+    rows, in_dim = x.shape
+    out = torch.empty(rows, out_dim, dtype=dtype)
+    load().dense_gemm_amx(x.data_ptr(), rows, in_dim, packed.data_ptr(), out.data_ptr(),
+                          dtype == torch.bfloat16, out_dim)
+    return out
+
+
 def matmul(x: torch.Tensor, w: Tiled) -> torch.Tensor:
     """x [rows, in] @ w.T -> [rows, out], in x's dtype if bf16 or fp32 (else
     fp32); x is taken in bf16."""
@@ -95,6 +116,7 @@ def load() -> ctypes.CDLL | None:
         # x, rows, in, q, scale, low, y, y is bf16, out, bits
         "q_gemm_amx": [P, I32, I32, P, P, P, P, I32, I32, I32],
         "tiled_gemm": [P, I32, I32, P, P, I32, I32],  # x, rows, in, Parts, y, y is bf16, out
+        "dense_gemm_amx": [P, I32, I32, P, P, I32, I32],  # x, rows, in, w, y, y is bf16, out
     }, FLAGS, NEEDS)
     if lib is None:
         return None
