@@ -135,7 +135,9 @@ BF16_KERNELS = {
     # run on: torch's kernel, or qgemm (its bf16 kernels where the CPU has them)
     "torch-4bit": (Kernels(onednn=True), "lossless"),
     "qgemm": (Kernels(onednn=True, qgemm=True), "lossless"),
-    "amx": (Kernels(onednn=True, amx=True), "lossless")}  # Intel AMX tiles, up to 64 rows
+    "amx": (Kernels(onednn=True, amx=True), "lossless"),  # Intel AMX tiles, up to 64 rows
+    # the dense bf16 weights on the tiles, every row count (dense_gemm_amx)
+    "amx-dense": (Kernels(amx=True, dense_tiles=True), "none")}
 
 
 # int8 activations (qgemm_vnni.c or qgemm_avx2.c, llama.cpp's numerics for a GGUF)

@@ -354,7 +354,8 @@ class Scheduler:
                 "kv_cache_dtype": str(engine.cache.dtype).removeprefix("torch."),
                 "cuda_graphs": engine.graphs.sizes[-1] if engine.graphs else 0,
                 "quantization": engine.quantization,
-                "dense_matmul": "onednn" if engine.kernels.onednn else "torch",
+                "dense_matmul": ("amx" if engine.kernels.dense_tiles
+                                 else "onednn" if engine.kernels.onednn else "torch"),
                 **kernel_names(engine.kernels),
                 "num_expired": self.num_expired} | asdict(
             engine.stats())
