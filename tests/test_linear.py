@@ -20,6 +20,7 @@ from workers.scheduler.linear import (
     ONEDNN_ROWS,
     PLAIN,
     TILE_ROWS,
+    VNNI_BESIDE_AMX,
     Dense,
     Int4,
     Int8,
@@ -222,6 +223,27 @@ def test_dense_tiles_serve_the_batches_past_the_4bit_copy(checkpoint):
         assert torch.equal(rounded, out.bfloat16())  # bf16 out: the fp32 sums rounded
     x = torch.randn(TILE_ROWS + 7, down.shape[1], generator=generator).bfloat16()
     assert torch.equal(linear(x), qgemm_amx.dense_matmul(x, linear.tiles_weight, down.shape[0]))
+
+
+@pytest.mark.skipif(qgemm_amx.load() is None, reason="no AMX CPU or no C compiler")
+def test_greedy_on_the_tiles_is_the_argmax_of_their_logits(checkpoint):
+    """The lm_head's fused argmax: each row's largest output, the first of
+    equal ones (a weight whose rows repeat makes ties), where the tiles serve
+    the rows; None where they do not (int8 rows beside them, or a bias)."""
+    generator = torch.Generator().manual_seed(0)
+    embed = checkpoint["model.embed_tokens.weight"][:4096]
+    kernels = Kernels(amx=True, vnni=True)
+    for weight in (embed, torch.cat([embed[:48], embed[:48], embed[:32]])):
+        linear = make_linear(weight, None, torch.bfloat16, "lossless", kernels)
+        for rows in (VNNI_BESIDE_AMX + 1, 16, 33, 64, 100, TILE_ROWS):
+            x = torch.randn(rows, weight.shape[1], generator=generator).bfloat16()
+            picks = linear.greedy(x)
+            assert picks.dtype == torch.long
+            assert torch.equal(picks, linear.logits(x).argmax(-1))
+        x = torch.randn(VNNI_BESIDE_AMX, weight.shape[1], generator=generator).bfloat16()
+        assert linear.greedy(x) is None and linear.greedy(torch.cat([x] * 20)) is None
+    biased = make_linear(embed, torch.ones(embed.shape[0]), torch.bfloat16, "lossless", kernels)
+    assert biased.greedy(torch.randn(16, embed.shape[1]).bfloat16()) is None
 
 
 @needs_qgemm

@@ -14,6 +14,7 @@ from workers.scheduler.sampler import (
     apply_penalties,
     greedy,
     gumbel_noise,
+    plain_greedy,
 )
 from workers.scheduler.sequence import Sequence
 
@@ -104,3 +105,16 @@ def test_logprobs_report_the_chosen_token_and_the_top_alternatives():
     expected = torch.log_softmax(logits[0], -1)
     assert chosen.token_id == 1 and math.isclose(chosen.logprob, expected[1].item(), rel_tol=1e-5)
     assert [t.token_id for t in chosen.top] == [1, 2]
+
+
+def test_plain_greedy_says_when_the_raw_argmax_is_every_pick():
+    """The engine's fused lm_head argmax serves only these steps."""
+    greedy_ = Sampling(temperature=0.0)
+    assert plain_greedy([seq(greedy_), seq(greedy_, stop_ids=frozenset({3}))])
+    assert not plain_greedy([seq(greedy_), seq(Sampling(temperature=0.7))])
+    assert not plain_greedy([seq(Sampling(temperature=0.0, repetition_penalty=1.2))])
+    assert not plain_greedy([seq(Sampling(temperature=0.0, logprobs=0))])
+    # min_tokens not reached: a stop id is masked out of the logits first
+    held = Sampling(temperature=0.0, min_tokens=3)
+    assert not plain_greedy([seq(held, stop_ids=frozenset({3}))])
+    assert plain_greedy([seq(held, output=[4, 5, 6], stop_ids=frozenset({3}))])

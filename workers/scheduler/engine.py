@@ -29,7 +29,7 @@ from workers.scheduler.cuda_graphs import DecodeGraphs
 from workers.scheduler.layers import Driver
 from workers.scheduler.model import LlamaModel, read_spec
 from workers.scheduler.pace import Pace, StepRecord
-from workers.scheduler.sampler import Sampled, Sampler
+from workers.scheduler.sampler import Sampled, Sampler, plain_greedy
 from workers.scheduler.sequence import Sequence
 
 
@@ -217,19 +217,27 @@ class Engine:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> Sampled:
         tables = [self.allocator.block_table(c.seq.request_id) for c in plan.chunks]
+        seqs = [c.seq for c in plan.chunks if c.samples]
         if self.graphs is not None and self.graphs.takes(plan):
-            logits = self.graphs.run(plan, tables)
-        else:
-            logits = self.forward(plan, tables)
-        return self.sampler(logits, [c.seq for c in plan.chunks if c.samples])
+            return self.sampler(self.graphs.run(plan, tables), seqs)
+        head_input = self.head_input(plan, tables)
+        # greedy picks with nothing else asked of the logits: the lm_head's
+        # kernel keeps each row's best as it goes, where it can (linear.Dense.greedy)
+        if plain_greedy(seqs) and (picks := self.model.lm_head.greedy(head_input)) is not None:
+            return Sampled(picks.tolist(), [None] * len(seqs))
+        return self.sampler(self.model.lm_head.logits(head_input), seqs)
 
     def forward(self, plan: StepPlan, tables: list[list[int]]) -> torch.Tensor:
         """The step run eagerly: logits of the chunks that sample."""
+        return self.model.lm_head.logits(self.head_input(plan, tables))
+
+    def head_input(self, plan: StepPlan, tables: list[list[int]]) -> torch.Tensor:
+        """The step run eagerly up to the lm_head, for the chunks that sample."""
         self.attention.prepare(plan, tables, self.device)
         ends = itertools.accumulate(c.num_tokens for c in plan.chunks)
         rows = [end - 1 for end, c in zip(ends, plan.chunks, strict=True) if c.samples]
         device = self.device
-        return self.model.forward(
+        return self.model.head_input(
             torch.tensor(plan.input_ids(), dtype=torch.long, device=device),
             torch.tensor(plan.positions(), dtype=torch.long, device=device),
             torch.tensor(rows, dtype=torch.long, device=device), self.attention)

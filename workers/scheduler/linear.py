@@ -158,6 +158,16 @@ class Dense:
             return out.float() if self.bias is None else out.float() + self.bias
         return self(x).float()
 
+    def greedy(self, x: torch.Tensor) -> torch.Tensor | None:
+        """argmax(logits(x), -1) where AMX's tiles serve x's rows: the largest
+        output of each row found as the tiles make them, the logits never
+        written; else None (the caller takes `logits`)."""
+        rows = x.shape[0]
+        if self.tiled is None or self.bias is not None or not (
+                self.vnni_rows < rows <= self.small_batch):
+            return None
+        return qgemm_amx.argmax(x, self.tiled)
+
     @staticmethod
     def keeps_dense(kernels: Kernels, dtype: torch.dtype, weight: torch.Tensor) -> bool:
         """Whether batches past the narrow copy's reach need a dense copy."""

@@ -148,12 +148,17 @@ class LlamaModel:
                 attend) -> torch.Tensor:
         """Hidden states of all tokens, logits (fp32) only of `logit_rows`.
         `attend(layer_index, q, k, v)` writes k, v to the cache and attends."""
+        return self.lm_head.logits(self.head_input(input_ids, positions, logit_rows, attend))
+
+    def head_input(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   logit_rows: torch.Tensor, attend) -> torch.Tensor:
+        """`forward` up to the lm_head: the final norm of `logit_rows`."""
         h = self.embed[input_ids]  # the residual stream, updated in place
         if self.driver is not None and self.driver.takes(h.shape[0], attend):
             self.driver(h, positions)  # the same kernels as _layers, in one call
         else:
             self._layers(h, positions, attend)
-        return self.lm_head.logits(rms_norm(h[logit_rows], self.norm, self.spec.rms_eps))
+        return rms_norm(h[logit_rows], self.norm, self.spec.rms_eps)
 
     def _layers(self, h: torch.Tensor, positions: torch.Tensor, attend) -> None:
         """Every decoder layer on the residual stream h, in place."""

@@ -19,6 +19,8 @@
 // steps past the 4-bit kernel's reach (prefill chunks of hundreds of rows).
 
 #include <immintrin.h>
+#include <limits.h>
+#include <math.h>
 #include <stdint.h>
 
 #include "kernels.h"
@@ -105,9 +107,11 @@ static inline void dequantize4(const uint8_t *q, Consts c, int bits, uint16_t *d
 // Tile rows [r, r + 4) of the next group's weights, where there is one.
 #define NEXT(r) if (more) dequantize4(qn, c, bits, next, r);
 
-// Writes row block `block` (tile `block`) of 16 outputs starting at column n0.
+// Writes row block `block` (tile `block`) of 16 outputs starting at column n0
+// (mode 1: bf16, 0: fp32), or (2) keeps each row's largest so far (the
+// first of equals: torch's argmax) in this thread's best and best_at.
 #define STORE(block)                                                                 \
-    if (y_bf16) {                                                                    \
+    if (mode == 1) {                                                                 \
         _tile_stored(block, sums, 64);                                               \
         int rows_here = (block) == blocks - 1 ? last : 16;                           \
         for (int r = 0; r < rows_here; r++) {                                        \
@@ -115,14 +119,34 @@ static inline void dequantize4(const uint8_t *q, Consts c, int bits, uint16_t *d
             _mm256_storeu_si256((__m256i *)(y16 + (size_t)(16 * (block) + r) * out_dim + n0), \
                                 (__m256i)v);                                         \
         }                                                                            \
+    } else if (mode == 2) {                                                          \
+        _tile_stored(block, sums, 64);                                               \
+        int rows_here = (block) == blocks - 1 ? last : 16;                           \
+        for (int r = 0; r < rows_here; r++)                                          \
+            keep_best(sums + 16 * r, n0, my_best + m0 + 16 * (block) + r,           \
+                      my_at + m0 + 16 * (block) + r);                                \
     } else {                                                                         \
         _tile_stored(block, y32 + (size_t)16 * (block) * out_dim + n0, 4 * out_dim); \
     }
 
-// Rows [0, rows) in passes of up to 64; `bits` 4 or 8; y bf16 or fp32.
-void q_gemm_amx(const uint16_t *x_all, int rows, int in_dim, const uint8_t *q,
-                const float *scale, const float *low, void *y, int y_bf16, int out_dim,
-                int bits) {
+// *best, *at: the largest of 16 outputs from column n0 on, if larger than *best
+// or as large at a lower column.
+static inline void keep_best(const float *v16, int n0, float *best, int *at) {
+    const __m512 v = _mm512_load_ps(v16);
+    const float top = _mm512_reduce_max_ps(v);
+    if (top < *best)
+        return;
+    const __mmask16 ties = _mm512_cmp_ps_mask(v, _mm512_set1_ps(top), _CMP_EQ_OQ);
+    const int column = n0 + (ties ? __builtin_ctz(ties) : 0);
+    if (top > *best || column < *at)
+        *best = top, *at = column;
+}
+
+// Rows [0, rows) in passes of up to 64; `bits` 4 or 8; STORE's mode; for mode
+// 2, best and best_at [threads, rows] start at -inf and INT_MAX.
+static void tiles_gemm(const uint16_t *x_all, int rows, int in_dim, const uint8_t *q,
+                       const float *scale, const float *low, void *y, int mode, int out_dim,
+                       int bits, float *best, int *best_at) {
     const int groups = in_dim / 32, num_blocks = out_dim / 16;
     const size_t q_bytes = bits == 4 ? 256 : 512;
     Span *spans = aligned_alloc(64, sizeof(Span) * omp_get_max_threads());  // blocks by stealing
@@ -134,6 +158,8 @@ void q_gemm_amx(const uint16_t *x_all, int rows, int in_dim, const uint8_t *q,
         uint16_t *y16 = (uint16_t *)y + (size_t)m0 * out_dim;
 #pragma omp parallel
         {
+            float *my_best = best ? best + (size_t)omp_get_thread_num() * rows : 0;
+            int *my_at = best_at ? best_at + (size_t)omp_get_thread_num() * rows : 0;
             configure(blocks, last);
             uint16_t tiles[2][512] __attribute__((aligned(64)));
             float sums[256] __attribute__((aligned(64)));
@@ -191,6 +217,37 @@ void q_gemm_amx(const uint16_t *x_all, int rows, int in_dim, const uint8_t *q,
         }
     }
     free(spans);
+}
+
+void q_gemm_amx(const uint16_t *x, int rows, int in_dim, const uint8_t *q, const float *scale,
+                const float *low, void *y, int y_bf16, int out_dim, int bits) {
+    tiles_gemm(x, rows, in_dim, q, scale, low, y, y_bf16 != 0, out_dim, bits, 0, 0);
+}
+
+// out[r] = the index of the largest of x[r] @ w.T (the first of equals), as
+// argmax over q_gemm_amx's fp32 y, without writing y: greedy sampling's lm_head
+// (64 rows x 49152 fp32 logits are 12.6 MB to write and read again).
+void q_argmax_amx(const uint16_t *x, int rows, int in_dim, const uint8_t *q, const float *scale,
+                  const float *low, int64_t *out, int out_dim, int bits) {
+    const int threads = omp_get_max_threads();
+    float *best = malloc(sizeof(float) * threads * rows);
+    int *at = malloc(sizeof(int) * threads * rows);
+    for (int i = 0; i < threads * rows; i++)
+        best[i] = -INFINITY, at[i] = INT_MAX;
+    tiles_gemm(x, rows, in_dim, q, scale, low, 0, 2, out_dim, bits, best, at);
+    for (int r = 0; r < rows; r++) {
+        float top = best[r];
+        int column = at[r];
+        for (int t = 1; t < threads; t++) {
+            const float v = best[t * rows + r];
+            const int c = at[t * rows + r];
+            if (v > top || (v == top && c < column))
+                top = v, column = c;
+        }
+        out[r] = column == INT_MAX ? 0 : column;
+    }
+    free(best);
+    free(at);
 }
 
 // A weight as layers.c passes it: its parts, for tiled_gemm.

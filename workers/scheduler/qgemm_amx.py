@@ -108,6 +108,20 @@ def matmul(x: torch.Tensor, w: Tiled) -> torch.Tensor:
     return out
 
 
+def argmax(x: torch.Tensor, w: Tiled) -> torch.Tensor:
+    """The index of each row's largest output of x @ w.T (the first of equals),
+    as `matmul(x, w).argmax(-1)` on its fp32 answer, which is never written."""
+    x, _ = qgemm.bf16_rows(x)
+    rows, in_dim = x.shape
+    if in_dim != 32 * w.q.shape[1]:
+        raise ValueError(f"x has {in_dim} columns; the weight takes {32 * w.q.shape[1]}")
+    out = torch.empty(rows, dtype=torch.long)
+    load().q_argmax_amx(x.data_ptr(), rows, in_dim, w.q.data_ptr(), w.scale.data_ptr(),
+                        None if w.low is None else w.low.data_ptr(), out.data_ptr(), w.out_dim,
+                        w.bits)
+    return out
+
+
 @cache
 def load() -> ctypes.CDLL | None:
     P, I32 = native.P, native.I32
@@ -115,6 +129,8 @@ def load() -> ctypes.CDLL | None:
         "amx_init": [P],
         # x, rows, in, q, scale, low, y, y is bf16, out, bits
         "q_gemm_amx": [P, I32, I32, P, P, P, P, I32, I32, I32],
+        "q_argmax_amx": [P, I32, I32, P, P, P, P, I32, I32],  # x, rows, in, q, scale, low, out
+        # (int64), out_dim, bits
         "tiled_gemm": [P, I32, I32, P, P, I32, I32],  # x, rows, in, Parts, y, y is bf16, out
         "dense_gemm_amx": [P, I32, I32, P, P, I32, I32],  # x, rows, in, w, y, y is bf16, out
     }, FLAGS, NEEDS)

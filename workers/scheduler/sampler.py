@@ -84,6 +84,14 @@ class Sampler:
         return picks
 
 
+def plain_greedy(seqs: list[Sequence]) -> bool:
+    """Whether every row's pick is the raw logits' argmax: greedy, no penalty,
+    no stop token held back for min_tokens, no logprobs."""
+    return all(s.sampling.temperature == 0 and not _has_penalty(s)
+               and s.sampling.logprobs is None
+               and not (s.stop_ids and not _reaches_min_tokens(s)) for s in seqs)
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim (the first of equal maxima, as torch's): ops.c's
     on CPU fp32 rows, else torch's max with indices, which is 3x faster than
