@@ -19,8 +19,6 @@
 // steps past the 4-bit kernel's reach (prefill chunks of hundreds of rows).
 
 #include <immintrin.h>
-#include <limits.h>
-#include <math.h>
 #include <stdint.h>
 
 #include "kernels.h"
@@ -108,8 +106,7 @@ static inline void dequantize4(const uint8_t *q, Consts c, int bits, uint16_t *d
 #define NEXT(r) if (more) dequantize4(qn, c, bits, next, r);
 
 // Writes row block `block` (tile `block`) of 16 outputs starting at column n0
-// (mode 1: bf16, 0: fp32), or (2) keeps each row's largest so far (the
-// first of equals: torch's argmax) in this thread's best and best_at.
+// (mode 1: bf16, 0: fp32), or (ARGMAX, y a Best) keeps each row's largest so far.
 #define STORE(block)                                                                 \
     if (mode == 1) {                                                                 \
         _tile_stored(block, sums, 64);                                               \
@@ -119,20 +116,35 @@ static inline void dequantize4(const uint8_t *q, Consts c, int bits, uint16_t *d
             _mm256_storeu_si256((__m256i *)(y16 + (size_t)(16 * (block) + r) * out_dim + n0), \
                                 (__m256i)v);                                         \
         }                                                                            \
-    } else if (mode == 2) {                                                          \
+    } else if (mode == ARGMAX) {                                                     \
         _tile_stored(block, sums, 64);                                               \
         int rows_here = (block) == blocks - 1 ? last : 16;                           \
         for (int r = 0; r < rows_here; r++)                                          \
-            keep_best(sums + 16 * r, n0, my_best + m0 + 16 * (block) + r,           \
-                      my_at + m0 + 16 * (block) + r);                                \
+            keep_best(_mm512_load_ps(sums + 16 * r), n0,                             \
+                      my_best + m0 + 16 * (block) + r, my_at + m0 + 16 * (block) + r); \
     } else {                                                                         \
         _tile_stored(block, y32 + (size_t)16 * (block) * out_dim + n0, 4 * out_dim); \
     }
 
-// *best, *at: the largest of 16 outputs from column n0 on, if larger than *best
-// or as large at a lower column.
-static inline void keep_best(const float *v16, int n0, float *best, int *at) {
-    const __m512 v = _mm512_load_ps(v16);
+// Greedy sampling's lm_head (mode ARGMAX, y a Best): each thread keeps every
+// row's largest output so far and its column (the first of equals: torch's
+// argmax); best_finish picks across threads. The logits are never written
+// (64 rows x 49152 fp32: 12.6 MB to write, then read again by the argmax).
+enum { ARGMAX = 2 };
+typedef struct { float *value; int32_t *at; int rows, threads; } Best;
+
+static Best best_alloc(int rows) {
+    Best b = {0, 0, rows, omp_get_max_threads()};
+    b.value = malloc(sizeof(float) * b.threads * rows);
+    b.at = malloc(sizeof(int32_t) * b.threads * rows);
+    for (int i = 0; i < b.threads * rows; i++)
+        b.value[i] = -INFINITY, b.at[i] = INT32_MAX;
+    return b;
+}
+
+// *best, *at: the largest of v (columns n0..n0 + 15), where it beats *best or
+// ties it at a lower column.
+static inline void keep_best(__m512 v, int n0, float *best, int32_t *at) {
     const float top = _mm512_reduce_max_ps(v);
     if (top < *best)
         return;
@@ -142,11 +154,27 @@ static inline void keep_best(const float *v16, int n0, float *best, int *at) {
         *best = top, *at = column;
 }
 
-// Rows [0, rows) in passes of up to 64; `bits` 4 or 8; STORE's mode; for mode
-// 2, best and best_at [threads, rows] start at -inf and INT_MAX.
+// out[r]: the column of row r's largest output over every thread's; frees b.
+static void best_finish(Best *b, int64_t *out) {
+    for (int r = 0; r < b->rows; r++) {
+        float top = -INFINITY;
+        int32_t at = INT32_MAX;
+        for (int t = 0; t < b->threads; t++) {
+            const float v = b->value[t * b->rows + r];
+            const int32_t c = b->at[t * b->rows + r];
+            if (v > top || (v == top && c < at))
+                top = v, at = c;
+        }
+        out[r] = at == INT32_MAX ? 0 : at;
+    }
+    free(b->value);
+    free(b->at);
+}
+
+// Rows [0, rows) in passes of up to 64; `bits` 4 or 8; STORE's mode.
 static void tiles_gemm(const uint16_t *x_all, int rows, int in_dim, const uint8_t *q,
                        const float *scale, const float *low, void *y, int mode, int out_dim,
-                       int bits, float *best, int *best_at) {
+                       int bits) {
     const int groups = in_dim / 32, num_blocks = out_dim / 16;
     const size_t q_bytes = bits == 4 ? 256 : 512;
     Span *spans = aligned_alloc(64, sizeof(Span) * omp_get_max_threads());  // blocks by stealing
@@ -158,8 +186,10 @@ static void tiles_gemm(const uint16_t *x_all, int rows, int in_dim, const uint8_
         uint16_t *y16 = (uint16_t *)y + (size_t)m0 * out_dim;
 #pragma omp parallel
         {
-            float *my_best = best ? best + (size_t)omp_get_thread_num() * rows : 0;
-            int *my_at = best_at ? best_at + (size_t)omp_get_thread_num() * rows : 0;
+            const Best *best = mode == ARGMAX ? y : 0;
+            const size_t mine = (size_t)omp_get_thread_num() * rows;
+            float *my_best = best ? best->value + mine : 0;
+            int32_t *my_at = best ? best->at + mine : 0;
             configure(blocks, last);
             uint16_t tiles[2][512] __attribute__((aligned(64)));
             float sums[256] __attribute__((aligned(64)));
@@ -221,33 +251,16 @@ static void tiles_gemm(const uint16_t *x_all, int rows, int in_dim, const uint8_
 
 void q_gemm_amx(const uint16_t *x, int rows, int in_dim, const uint8_t *q, const float *scale,
                 const float *low, void *y, int y_bf16, int out_dim, int bits) {
-    tiles_gemm(x, rows, in_dim, q, scale, low, y, y_bf16 != 0, out_dim, bits, 0, 0);
+    tiles_gemm(x, rows, in_dim, q, scale, low, y, y_bf16 != 0, out_dim, bits);
 }
 
 // out[r] = the index of the largest of x[r] @ w.T (the first of equals), as
-// argmax over q_gemm_amx's fp32 y, without writing y: greedy sampling's lm_head
-// (64 rows x 49152 fp32 logits are 12.6 MB to write and read again).
+// argmax over q_gemm_amx's fp32 y, which is never written (ARGMAX above).
 void q_argmax_amx(const uint16_t *x, int rows, int in_dim, const uint8_t *q, const float *scale,
                   const float *low, int64_t *out, int out_dim, int bits) {
-    const int threads = omp_get_max_threads();
-    float *best = malloc(sizeof(float) * threads * rows);
-    int *at = malloc(sizeof(int) * threads * rows);
-    for (int i = 0; i < threads * rows; i++)
-        best[i] = -INFINITY, at[i] = INT_MAX;
-    tiles_gemm(x, rows, in_dim, q, scale, low, 0, 2, out_dim, bits, best, at);
-    for (int r = 0; r < rows; r++) {
-        float top = best[r];
-        int column = at[r];
-        for (int t = 1; t < threads; t++) {
-            const float v = best[t * rows + r];
-            const int c = at[t * rows + r];
-            if (v > top || (v == top && c < column))
-                top = v, column = c;
-        }
-        out[r] = column == INT_MAX ? 0 : column;
-    }
-    free(best);
-    free(at);
+    Best best = best_alloc(rows);
+    tiles_gemm(x, rows, in_dim, q, scale, low, &best, ARGMAX, out_dim, bits);
+    best_finish(&best, out);
 }
 
 // A weight as layers.c passes it: its parts, for tiled_gemm.
