@@ -185,8 +185,8 @@ static void tiles_gemm(const uint16_t *x_all, int rows, int in_dim, const uint8_
         const int here = rows - m0 < 64 ? rows - m0 : 64;
         const int blocks = (here + 15) / 16, last = here - 16 * (blocks - 1);
         const uint16_t *x = x_all + (size_t)m0 * in_dim;
-        float *y32 = (float *)y + (size_t)m0 * out_dim;
-        uint16_t *y16 = (uint16_t *)y + (size_t)m0 * out_dim;
+        float *y32 = mode == ARGMAX ? 0 : (float *)y + (size_t)m0 * out_dim;  // y a Best
+        uint16_t *y16 = mode == ARGMAX ? 0 : (uint16_t *)y + (size_t)m0 * out_dim;
 #pragma omp parallel
         {
             const Best *best = mode == ARGMAX ? y : 0;
