@@ -80,13 +80,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(port: int, log_path: Path, setup: Setup,
-                 deadline_s: float = 600) -> subprocess.Popen:
-    """`pipeline serve` as a child; returns once it printed its "serving" line and /health
-    answers. The first run converts the model, hence the long deadline."""
+def start_server(port: int, log_path: Path, setup: Setup, deadline_s: float = 600,
+                 root: Path = ROOT) -> subprocess.Popen:
+    """`pipeline serve` as a child, from the checkout at `root` (`-m` puts its working
+    directory first on the path, its workers' too); returns once it printed its
+    "serving" line and /health answers. The first run converts the model, hence the
+    long deadline."""
     cmd = [sys.executable, "-m", "pipeline.cli", "serve", "--port", str(port),
            "--dtype", OUR_DTYPE, "--device", setup.device, "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=os.environ | setup.server_env)
     serving = threading.Event()
 

@@ -1,0 +1,74 @@
+"""Served output tok/s of this checkout against another commit, paired: each pair
+starts `pipeline serve` from one and then the other (the order alternating pair by
+pair; the commit from a temporary git worktree) and runs the same `pipeline bench`
+against each. The shared host's speed moves by 10-30% within minutes, so compare
+the pairs' ratios, not runs apart.
+Run: .venv/bin/python bench/paired_serve.py --base 9d5fd2f [--pairs 3]
+     [--concurrency 64] [--num-requests 192]"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+from serving_bench import (  # beside this script: bench/ is first on the path
+    ROOT,
+    bench_options,
+    free_port,
+    make_setup,
+    start_server,
+    stop_server,
+)
+
+from pipeline.bench import run_bench
+
+
+def served_tok_s(root: Path, concurrency: int, num_requests: int, seed: int,
+                 log_path: Path) -> float:
+    """One `pipeline serve` from `root`: a warm-up bench, then the timed one."""
+    port = free_port()
+    proc = start_server(port, log_path, make_setup("cpu"), root=root)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        run_bench(bench_options(url, concurrency, concurrency, seed + 10_000))  # warm-up
+        summary = run_bench(bench_options(url, concurrency, num_requests, seed))
+        if summary["failed"]:
+            raise RuntimeError(f"{summary['failed']} requests failed; see {log_path}")
+        return summary["output_throughput"]
+    finally:
+        stop_server(proc)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, help="the commit to compare against")
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--num-requests", type=int, default=192)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        base = Path(scratch) / "base"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base),
+                        args.base], check=True, capture_output=True)
+        try:
+            ratios = []
+            for pair in range(args.pairs):
+                sides = [("head", ROOT), ("base", base)][::1 if pair % 2 == 0 else -1]
+                tok_s = {name: served_tok_s(root, args.concurrency, args.num_requests, pair,
+                                            Path(scratch) / f"{name}{pair}.log")
+                         for name, root in sides}
+                ratios.append(tok_s["head"] / tok_s["base"])
+                print(f"pair {pair + 1}: head {tok_s['head']:.1f} tok/s, base "
+                      f"{tok_s['base']:.1f} ({ratios[-1]:.3f}x)", flush=True)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
+                            str(base)], check=False, capture_output=True)
+    print(f"head/base at concurrency {args.concurrency}: median {statistics.median(ratios):.3f}x "
+          f"(pairs: {' / '.join(f'{r:.3f}' for r in ratios)})")
+
+
+if __name__ == "__main__":
+    main()
