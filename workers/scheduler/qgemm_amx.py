@@ -76,6 +76,14 @@ def fits(out_dim: int, in_dim: int) -> bool:
     return out_dim % 16 == 0 and in_dim % 32 == 0
 
 
+def _rows(x: torch.Tensor, in_dim: int) -> tuple[torch.Tensor, torch.dtype]:
+    """qgemm.bf16_rows(x), refused where its width is not the weight's: the
+    kernels take the width from x and would read past the weight."""
+    if x.shape[-1] != in_dim:
+        raise ValueError(f"x has {x.shape[-1]} columns; the weight takes {in_dim}")
+    return qgemm.bf16_rows(x)
+
+
 def fits_dense(out_dim: int, in_dim: int) -> bool:
     return out_dim % 32 == 0 and in_dim % 32 == 0
 
@@ -88,7 +96,7 @@ def pack_dense(weight: torch.Tensor) -> torch.Tensor:
 
 def dense_matmul(x: torch.Tensor, packed: torch.Tensor, out_dim: int) -> torch.Tensor:
     """x [rows, in] @ w.T (w from pack_dense) -> [rows, out], as `matmul`."""
-    x, dtype = qgemm.bf16_rows(x)
+    x, dtype = _rows(x, 32 * packed.shape[1])
     rows, in_dim = x.shape
     out = torch.empty(rows, out_dim, dtype=dtype)
     load().dense_gemm_amx(x.data_ptr(), rows, in_dim, packed.data_ptr(), out.data_ptr(),
@@ -99,7 +107,7 @@ def dense_matmul(x: torch.Tensor, packed: torch.Tensor, out_dim: int) -> torch.T
 def matmul(x: torch.Tensor, w: Tiled) -> torch.Tensor:
     """x [rows, in] @ w.T -> [rows, out], in x's dtype if bf16 or fp32 (else
     fp32); x is taken in bf16."""
-    x, dtype = qgemm.bf16_rows(x)
+    x, dtype = _rows(x, 32 * w.q.shape[1])
     rows, in_dim = x.shape
     out = torch.empty(rows, w.out_dim, dtype=dtype)
     load().q_gemm_amx(x.data_ptr(), rows, in_dim, w.q.data_ptr(), w.scale.data_ptr(),
@@ -111,10 +119,8 @@ def matmul(x: torch.Tensor, w: Tiled) -> torch.Tensor:
 def argmax(x: torch.Tensor, w: Tiled) -> torch.Tensor:
     """The index of each row's largest output of x @ w.T (the first of equals),
     as `matmul(x, w).argmax(-1)` on its fp32 answer, which is never written."""
-    x, _ = qgemm.bf16_rows(x)
+    x, _ = _rows(x, 32 * w.q.shape[1])
     rows, in_dim = x.shape
-    if in_dim != 32 * w.q.shape[1]:
-        raise ValueError(f"x has {in_dim} columns; the weight takes {32 * w.q.shape[1]}")
     out = torch.empty(rows, dtype=torch.long)
     load().q_argmax_amx(x.data_ptr(), rows, in_dim, w.q.data_ptr(), w.scale.data_ptr(),
                         None if w.low is None else w.low.data_ptr(), out.data_ptr(), w.out_dim,

@@ -57,8 +57,7 @@ class Sampler:
         return Sampled(tokens.tolist(), logprobs_of(raw, tokens, wanted))
 
     def _mask_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        rows = [(i, sorted(s.stop_ids)) for i, s in enumerate(seqs)
-                if s.stop_ids and not _reaches_min_tokens(s)]
+        rows = [(i, sorted(s.stop_ids)) for i, s in enumerate(seqs) if _holds_stops(s)]
         if not rows:
             return logits
         logits = logits.clone()
@@ -89,7 +88,7 @@ def plain_greedy(seqs: list[Sequence]) -> bool:
     no stop token held back for min_tokens, no logprobs."""
     return all(s.sampling.temperature == 0 and not _has_penalty(s)
                and s.sampling.logprobs is None
-               and not (s.stop_ids and not _reaches_min_tokens(s)) for s in seqs)
+               and not _holds_stops(s) for s in seqs)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -109,6 +108,11 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 def _reaches_min_tokens(seq: Sequence) -> bool:
     # the token sampled now is output number num_output_tokens + 1
     return seq.num_output_tokens + 1 > seq.sampling.min_tokens
+
+
+def _holds_stops(seq: Sequence) -> bool:
+    """Whether its stop ids are masked out of this pick (min_tokens not reached)."""
+    return bool(seq.stop_ids) and not _reaches_min_tokens(seq)
 
 
 def _has_penalty(seq: Sequence) -> bool:
