@@ -16,6 +16,7 @@ from safetensors import safe_open
 from pipeline.config import Config, SchedulerConfig
 from pipeline.errors import ConfigError
 from pipeline.tokenizer import Tokenizer
+from tests.harness import load_bench_script
 from workers.scheduler import qgemm_amx, qgemm_vnni
 from workers.scheduler.calibrate import choose_kernels
 from workers.scheduler.engine import Engine
@@ -160,6 +161,25 @@ def test_avx2_kernel_takes_fp32_activations_as_they_are(checkpoint):
         assert relative_error(qgemm_vnni.matmul(x, packed),
                               int8_groups(x) @ weight.double().t()) < 1e-5
 
+
+def test_avx2_variants_times_builds_and_refuses_one_that_answers_otherwise(tmp_path, capsys):
+    """bench/avx2_variants.py: a build with other flags is timed beside the
+    shipped one; a build whose sums differ stops the run before any timing."""
+    if qgemm_vnni.load_avx2() is None:
+        pytest.skip("no AVX2 build here")
+    variants, source = load_bench_script("avx2_variants"), str(qgemm_vnni.SOURCE_AVX2)
+    variants.main(["--rows", "3", "--layers", "1", source, source + ":-DROWS=2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" at ")[0] for line in lines] == ["4-bit projections", "8-bit lm_head"]
+    assert all(line.count(" ms (") == 2 and "(1.00x)" in line for line in lines)
+    broken = tmp_path / "broken.c"  # beside the header it includes
+    (tmp_path / "kernels.h").write_text(qgemm_vnni.SOURCE_AVX2.with_name("kernels.h").read_text())
+    text = qgemm_vnni.SOURCE_AVX2.read_text()
+    assert "_mm256_set1_ps(s[0])" in text
+    broken.write_text(text.replace("_mm256_set1_ps(s[0])", "_mm256_set1_ps(2.0f * s[0])"))
+    with pytest.raises(SystemExit, match="differ from the first build"):
+        variants.main(["--rows", "3", "--layers", "1", source, str(broken)])
+    assert capsys.readouterr().out == ""
 
 @each_library
 def test_fine_kernels_sum_14_bit_activations_exactly(checkpoint, on):
