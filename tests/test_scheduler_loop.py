@@ -22,7 +22,11 @@ def test_a_request_arriving_during_a_step_joins_right_after_it(redis_url, prefix
     """The step's first read has passed when the second request arrives; a
     read while the engine still runs takes it, so it is running when the step
     ends, not a step later (as after long steps: prefill chunks here)."""
-    config = Config(model=str(model_files.path), redis=RedisConfig(url=redis_url, prefix=prefix))
+    # no upkeep between the steps: it would drop "long", whose frontend ("nobody")
+    # is not alive, and its 1 s heartbeat passes within one 512-token chunk on a
+    # slow host (2.5-3.4 s on an AMD Zen 1)
+    config = Config(model=str(model_files.path), redis=RedisConfig(
+        url=redis_url, prefix=prefix, heartbeat_s=600.0, alive_ttl_s=1800.0))
     engine = Engine(model_files.path, SchedulerConfig())
     keys, client = Keys(prefix), StreamClient(redis_url)
 
