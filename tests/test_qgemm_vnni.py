@@ -181,6 +181,7 @@ def test_avx2_variants_times_builds_and_refuses_one_that_answers_otherwise(tmp_p
         variants.main(["--rows", "3", "--layers", "1", source, str(broken)])
     assert capsys.readouterr().out == ""
 
+
 @each_library
 def test_fine_kernels_sum_14_bit_activations_exactly(checkpoint, on):
     """The fine kernels' two int8 parts of each 14-bit level add up exactly:
