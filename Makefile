@@ -24,7 +24,7 @@ serve: install
 
 test: install
 	$(VENV)/bin/ruff check pipeline api workers tests bench
-	$(VENV)/bin/pytest -q -m "not slow"
+	$(VENV)/bin/pytest -q -m "not slow" --durations=15
 
 bench: install
 	$(PY) bench/serving_bench.py

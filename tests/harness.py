@@ -19,8 +19,12 @@ from pipeline.status import live_workers
 
 
 def load_bench_script(name: str):
-    """bench/NAME.py as a module (bench/ is not a package)."""
-    path = Path(__file__).resolve().parent.parent / "bench" / f"{name}.py"
+    """bench/NAME.py as a module (bench/ is not a package), with bench/ on the path
+    as when the script runs, so that it can import the scripts beside it."""
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    if str(bench) not in sys.path:
+        sys.path.append(str(bench))
+    path = bench / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # its dataclasses look their module up there
