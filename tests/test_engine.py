@@ -250,14 +250,15 @@ def test_logprobs_come_with_top_alternatives(engine, prompt_ids, reference):
 
 
 def test_greedy_picks_in_the_lm_heads_kernel_equal_the_samplers(model_files, prompt_ids):
-    """A bf16 engine on AMX's tiles picks greedy tokens in the lm_head's kernel
-    (linear.Dense.greedy) unless a request asks more of the logits: the same
-    tokens as the sampler's argmax, which logprobs send every step through."""
+    """A bf16 engine on AMX's tiles or VNNI's int8 kernel picks greedy tokens in
+    the lm_head's kernel (linear.Dense.greedy) unless a request asks more of the
+    logits: the same tokens as the sampler's argmax, which logprobs send every
+    step through."""
     engine = Engine(model_files.path, SchedulerConfig(dtype="bfloat16"))
     head = engine.model.lm_head
     if head.greedy(torch.zeros(16, engine.model.spec.hidden_size)) is None:
-        pytest.skip("the lm_head has no fused argmax on this host (AMX's tiles)")
-    prompts = prompt_ids * 3  # 18 rows a decode step: the tiles', not int8's
+        pytest.skip("the lm_head has no fused argmax on this host (AMX's tiles, VNNI)")
+    prompts = prompt_ids * 3  # 18 rows a decode step: with AMX the tiles', not int8's
     plain = run_all(engine, greedy_requests(prompts))
     with_logprobs = Sampling(max_tokens=NUM_NEW, temperature=0.0, logprobs=0)
     assert run_all(engine, greedy_requests(prompts, with_logprobs)) == plain

@@ -150,6 +150,28 @@ def test_answers_do_not_depend_on_how_threads_share_the_blocks(checkpoint, on):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.skipif(qgemm_vnni.load() is None, reason="no vnni build here")
+def test_argmax_picks_the_first_largest_of_the_kernels_own_answer(checkpoint):
+    """Greedy sampling's lm_head (linear.Dense.greedy): the column of each row's
+    largest output, never written, equals the argmax of the kernel's fp32
+    answer; every output comes twice (the weight's rows repeated), so each pick
+    is a tie that the first column wins, whichever thread holds it."""
+    half = checkpoint["model.embed_tokens.weight"][:2048]
+    packed = blocks(torch.cat([half, half]), 8, False, "vnni")
+    generator = torch.Generator().manual_seed(4)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            for rows in (1, 5, 13, 64):
+                x = torch.randn(rows, half.shape[1], generator=generator).bfloat16()
+                picks = qgemm_vnni.argmax(x, packed)
+                expected = qgemm_vnni.matmul(x.float(), packed).argmax(-1)
+                assert torch.equal(picks, expected) and bool((picks < len(half)).all())
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_avx2_kernel_takes_fp32_activations_as_they_are(checkpoint):
     """The AVX2 build rounds fp32 rows to int8 itself (no bf16 step between)."""
     if qgemm_vnni.load_avx2() is None:

@@ -131,6 +131,54 @@ static inline void store_row(const float *src, int bf16, void *dst, int n) {
     for (int i = 0; i < n; i++) ((uint16_t *)dst)[i] = float_to_bf16(src[i]);
 }
 
+#ifdef __AVX512F__
+/* Greedy sampling's lm_head (mode ARGMAX of a kernel's bf16/fp32 output flag, y a
+   Best): each thread keeps every row's largest output so far and its column (the
+   first of equals: torch's argmax); best_finish picks across threads. The logits
+   are never written (64 rows x 49152 fp32: 12.6 MB to write, then read again by
+   the argmax). qgemm_amx.c and qgemm_vnni.c. */
+enum { ARGMAX = 2 };
+typedef struct { float *value; int32_t *at; int rows, threads; } Best;
+
+static inline Best best_alloc(int rows) {
+    Best b = {0, 0, rows, omp_get_max_threads()};
+    b.value = malloc(sizeof(float) * b.threads * rows);
+    b.at = malloc(sizeof(int32_t) * b.threads * rows);
+    for (int i = 0; i < b.threads * rows; i++)
+        b.value[i] = -INFINITY, b.at[i] = INT32_MAX;
+    return b;
+}
+
+/* *best, *at: the largest of v (columns n0..n0 + 15), where it beats *best or
+   ties it at a lower column. */
+static inline void keep_best(__m512 v, int n0, float *best, int32_t *at) {
+    const float top = _mm512_reduce_max_ps(v);
+    if (top < *best)
+        return;
+    const __mmask16 ties = _mm512_cmp_ps_mask(v, _mm512_set1_ps(top), _CMP_EQ_OQ);
+    const int column = n0 + (ties ? __builtin_ctz(ties) : 0);
+    if (top > *best || column < *at)
+        *best = top, *at = column;
+}
+
+/* out[r]: the column of row r's largest output over every thread's; frees b. */
+static inline void best_finish(Best *b, int64_t *out) {
+    for (int r = 0; r < b->rows; r++) {
+        float top = -INFINITY;
+        int32_t at = INT32_MAX;
+        for (int t = 0; t < b->threads; t++) {
+            const float v = b->value[t * b->rows + r];
+            const int32_t c = b->at[t * b->rows + r];
+            if (v > top || (v == top && c < at))
+                top = v, at = c;
+        }
+        out[r] = at == INT32_MAX ? 0 : at;
+    }
+    free(b->value);
+    free(b->at);
+}
+#endif
+
 /* A parallel region's blocks of work, shared out by stealing: each thread
    takes its own contiguous range from the front and, when done, the other
    threads' last blocks from the back. The OS preempts one of the engine's

@@ -159,14 +159,18 @@ class Dense:
         return self(x).float()
 
     def greedy(self, x: torch.Tensor) -> torch.Tensor | None:
-        """argmax(logits(x), -1) where AMX's tiles serve x's rows: the largest
-        output of each row found as the tiles make them, the logits never
-        written; else None (the caller takes `logits`)."""
+        """argmax(logits(x), -1) where AMX's tiles or the 8-bit VNNI kernel serve
+        x's rows: the largest output of each row found as the kernel makes them,
+        the logits never written; else None (the caller takes `logits`)."""
         rows = x.shape[0]
-        if self.tiled is None or self.bias is not None or not (
-                self.vnni_rows < rows <= self.small_batch):
+        if self.bias is not None:
             return None
-        return qgemm_amx.argmax(x, self.tiled)
+        if self.tiled is not None and self.vnni_rows < rows <= self.small_batch:
+            return qgemm_amx.argmax(x, self.tiled)
+        if (self.vnni is not None and qgemm_vnni.takes_argmax(self.vnni)
+                and self.fine_rows < rows <= self.vnni_rows):
+            return qgemm_vnni.argmax(x, self.vnni)
+        return None
 
     @staticmethod
     def keeps_dense(kernels: Kernels, dtype: torch.dtype, weight: torch.Tensor) -> bool:

@@ -129,51 +129,6 @@ static inline void dequantize4(const uint8_t *q, Consts c, int bits, uint16_t *d
         _tile_stored(block, y32 + (size_t)16 * (block) * out_dim + n0, 4 * out_dim); \
     }
 
-// Greedy sampling's lm_head (mode ARGMAX, y a Best): each thread keeps every
-// row's largest output so far and its column (the first of equals: torch's
-// argmax); best_finish picks across threads. The logits are never written
-// (64 rows x 49152 fp32: 12.6 MB to write, then read again by the argmax).
-enum { ARGMAX = 2 };
-typedef struct { float *value; int32_t *at; int rows, threads; } Best;
-
-static Best best_alloc(int rows) {
-    Best b = {0, 0, rows, omp_get_max_threads()};
-    b.value = malloc(sizeof(float) * b.threads * rows);
-    b.at = malloc(sizeof(int32_t) * b.threads * rows);
-    for (int i = 0; i < b.threads * rows; i++)
-        b.value[i] = -INFINITY, b.at[i] = INT32_MAX;
-    return b;
-}
-
-// *best, *at: the largest of v (columns n0..n0 + 15), where it beats *best or
-// ties it at a lower column.
-static inline void keep_best(__m512 v, int n0, float *best, int32_t *at) {
-    const float top = _mm512_reduce_max_ps(v);
-    if (top < *best)
-        return;
-    const __mmask16 ties = _mm512_cmp_ps_mask(v, _mm512_set1_ps(top), _CMP_EQ_OQ);
-    const int column = n0 + (ties ? __builtin_ctz(ties) : 0);
-    if (top > *best || column < *at)
-        *best = top, *at = column;
-}
-
-// out[r]: the column of row r's largest output over every thread's; frees b.
-static void best_finish(Best *b, int64_t *out) {
-    for (int r = 0; r < b->rows; r++) {
-        float top = -INFINITY;
-        int32_t at = INT32_MAX;
-        for (int t = 0; t < b->threads; t++) {
-            const float v = b->value[t * b->rows + r];
-            const int32_t c = b->at[t * b->rows + r];
-            if (v > top || (v == top && c < at))
-                top = v, at = c;
-        }
-        out[r] = at == INT32_MAX ? 0 : at;
-    }
-    free(b->value);
-    free(b->at);
-}
-
 // Rows [0, rows) in passes of up to 64; `bits` 4 or 8; STORE's mode.
 static void tiles_gemm(const uint16_t *x_all, int rows, int in_dim, const uint8_t *q,
                        const float *scale, const float *low, void *y, int mode, int out_dim,
@@ -258,7 +213,7 @@ void q_gemm_amx(const uint16_t *x, int rows, int in_dim, const uint8_t *q, const
 }
 
 // out[r] = the index of the largest of x[r] @ w.T (the first of equals), as
-// argmax over q_gemm_amx's fp32 y, which is never written (ARGMAX above).
+// argmax over q_gemm_amx's fp32 y, which is never written (ARGMAX in kernels.h).
 void q_argmax_amx(const uint16_t *x, int rows, int in_dim, const uint8_t *q, const float *scale,
                   const float *low, int64_t *out, int out_dim, int bits) {
     Best best = best_alloc(rows);

@@ -15,7 +15,8 @@
      4j..4j+3 in the low nibbles of part j and 16+4j.. in the high; 8-bit: 8 x
      64 bytes), then 16 fp16 scales and 16 fp16 lows (a GGUF's own fp16 d and
      m: exact; 0.85x the time of fp32 ones at 1 row, where weights stream).
-   One weight block serves R rows from L1; y is fp32, or bf16 (nearest even).
+   One weight block serves R rows from L1; y is fp32, or bf16 (nearest even), or
+   for the lm_head of greedy sampling only each row's largest output is kept.
    The fine variant (*_vnni_fine) rounds x to 14 bits instead, sx = max |x| /
    16256, and splits each level into two int8 parts, q = 128 a + b (a in
    -127..127, b in -64..63): two vpdpbusd chains, one shift, one add. Its error
@@ -149,6 +150,14 @@ static inline __attribute__((always_inline)) void tile(
                 acc[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(s[1]), acc[r]);
         }
     }
+    if (bf16_out == ARGMAX) {  /* y a Best (kernels.h): this thread's rows */
+        const Best *b = y;
+        const int64_t mine = (int64_t)omp_get_thread_num() * b->rows + m;
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; r++)
+            keep_best(acc[r], n, b->value + mine + r, b->at + mine + r);
+        return;
+    }
     #pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
         int64_t at = (int64_t)(m + r) * N + n;
@@ -203,3 +212,12 @@ static inline __attribute__((always_inline)) void quantize(
 
 /* x bf16 [M, K], N a multiple of 16, K of 32. Threads: torch's OpenMP pool. */
 INT8_GEMMS(vnni, uint16_t)
+
+/* out[m]: the column of row m's largest output of q8_gemm_vnni (the first of
+   equals, as torch's argmax), whose fp32 y is never written (greedy sampling's
+   lm_head: ARGMAX in kernels.h). */
+void q8_argmax_vnni(const uint16_t *x, int M, int K, const uint8_t *w, int64_t *out, int N) {
+    Best best = best_alloc(M);
+    q8_gemm_vnni(x, M, K, w, &best, ARGMAX, N);
+    best_finish(&best, out);
+}
