@@ -7,7 +7,9 @@ makes. The AVX2 build runs on every AVX2 host, VNNI ones too."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -127,6 +129,17 @@ def test_the_largest_dots_stay_exact(on):
         assert torch.equal(out, x.double() @ weight.t())
 
 
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's OpenMP pool (the kernels' threads) at `count`, then as it was."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @each_library
 def test_answers_do_not_depend_on_how_threads_share_the_blocks(checkpoint, on):
     """Threads take blocks of 16 outputs by stealing (kernels.h's Span): with
@@ -134,20 +147,16 @@ def test_answers_do_not_depend_on_how_threads_share_the_blocks(checkpoint, on):
     blocks, and with more threads than blocks some start with none. Every
     way gives the same bits as one thread."""
     generator = torch.Generator().manual_seed(3)
-    threads = torch.get_num_threads()
-    try:
-        for weight, bits in weights(checkpoint):
-            for out_dim in (16, 48, weight.shape[0]):
-                packed = blocks(weight[:out_dim], bits, bits == 4, on)
-                x = torch.randn(13, weight.shape[1], generator=generator).bfloat16()
-                answers = []
-                for count in (1, 2, 3, 7):
-                    torch.set_num_threads(count)
+    for weight, bits in weights(checkpoint):
+        for out_dim in (16, 48, weight.shape[0]):
+            packed = blocks(weight[:out_dim], bits, bits == 4, on)
+            x = torch.randn(13, weight.shape[1], generator=generator).bfloat16()
+            answers = []
+            for count in (1, 2, 3, 7):
+                with torch_threads(count):
                     answers.append([qgemm_vnni.matmul(x, packed) for _ in range(5)])
-                first = answers[0][0]
-                assert all(torch.equal(a, first) for runs in answers for a in runs)
-    finally:
-        torch.set_num_threads(threads)
+            first = answers[0][0]
+            assert all(torch.equal(a, first) for runs in answers for a in runs)
 
 
 @pytest.mark.skipif(qgemm_vnni.load() is None, reason="no vnni build here")
@@ -159,17 +168,13 @@ def test_argmax_picks_the_first_largest_of_the_kernels_own_answer(checkpoint):
     half = checkpoint["model.embed_tokens.weight"][:2048]
     packed = blocks(torch.cat([half, half]), 8, False, "vnni")
     generator = torch.Generator().manual_seed(4)
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2, 3):
-            torch.set_num_threads(count)
+    for count in (1, 2, 3):
+        with torch_threads(count):
             for rows in (1, 5, 13, 64):
                 x = torch.randn(rows, half.shape[1], generator=generator).bfloat16()
                 picks = qgemm_vnni.argmax(x, packed)
                 expected = qgemm_vnni.matmul(x.float(), packed).argmax(-1)
                 assert torch.equal(picks, expected) and bool((picks < len(half)).all())
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_avx2_kernel_takes_fp32_activations_as_they_are(checkpoint):
