@@ -82,8 +82,9 @@ static float split_query(const float *q, int dim, int8_t *parts, int32_t *sum) {
     return amax / FINE_LEVELS;
 }
 
-/* score[p] = scale * q . key p, 16 keys at a time (parts: split_query's). */
-static inline __attribute__((always_inline)) void scores_int8(
+/* score[p] = scale * q . key p, 16 keys at a time (parts: split_query's);
+   returns the largest. */
+static inline __attribute__((always_inline)) float scores_int8(
         const int8_t *parts, float sq, int32_t sum, const uint8_t *const *keys,
         const int8_t *const *values, const float *key_scales, int len, float scale,
         float *score, const int DIM) {
@@ -95,6 +96,7 @@ static inline __attribute__((always_inline)) void scores_int8(
         a[c] = _mm512_loadu_si512(parts + 64 * c);
         b[c] = _mm512_loadu_si512(parts + DIM + 64 * c);
     }
+    __m512 tops = _mm512_set1_ps(-INFINITY);
     for (int p = 0; p < len; p += 16) {
         const int n = len - p < 16 ? len - p : 16;
         for (int j = p + 16; j < p + 32 && j < len; j++)  /* the next 16, meanwhile */
@@ -122,22 +124,54 @@ static inline __attribute__((always_inline)) void scores_int8(
         const __mmask16 here = first_lanes(n);
         __m512 dots = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums16_epi32(acc), offset));
         __m512 scales = _mm512_maskz_loadu_ps(here, key_scales + p);
-        _mm512_mask_storeu_ps(score + p, here, _mm512_mul_ps(_mm512_mul_ps(dots, unit), scales));
+        const __m512 s = _mm512_mul_ps(_mm512_mul_ps(dots, unit), scales);
+        _mm512_mask_storeu_ps(score + p, here, s);
+        tops = _mm512_mask_max_ps(tops, here, tops, s);
+    }
+    return _mm512_reduce_max_ps(tops);
+}
+
+/* The scores of GC heads ([len] each, `stride` apart; head g's largest top[g])
+   made e^(s - top[g]) in place, as kernels.h's exps makes them; inverse_sums[g]
+   is 1 / their sum, amax[g] the largest times its value's scale (weight_words'
+   range). One loop for the heads, so that their exps' long chains overlap: with
+   scores_int8's max and this pass, 0.97x the attention's time at 64 rows of ~72
+   keys hot in cache, exps apart per head (plus its own pass for the max, and
+   weight_words' for amax). */
+static inline __attribute__((always_inline)) void numerators(
+        float *e, int stride, const float *value_scales, int len, const float *top,
+        float *inverse_sums, float *amax, const int GC) {
+    __m512 max16[3], sum16[3], tops[3];
+    #pragma GCC unroll 3
+    for (int g = 0; g < GC; g++) {
+        max16[g] = _mm512_set1_ps(top[g]);
+        sum16[g] = tops[g] = _mm512_setzero_ps();
+    }
+    for (int p = 0; p < len; p += 16) {
+        const __mmask16 here = first_lanes(len - p);
+        const __m512 vs = _mm512_maskz_loadu_ps(here, value_scales + p);
+        #pragma GCC unroll 3
+        for (int g = 0; g < GC; g++) {
+            float *row = e + (size_t)g * stride;
+            __m512 x = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(here, row + p), max16[g]));
+            x = _mm512_maskz_mov_ps(here, x);
+            _mm512_mask_storeu_ps(row + p, here, x);
+            sum16[g] = _mm512_add_ps(sum16[g], x);
+            tops[g] = _mm512_max_ps(tops[g], _mm512_mul_ps(x, vs));
+        }
+    }
+    #pragma GCC unroll 3
+    for (int g = 0; g < GC; g++) {
+        amax[g] = _mm512_reduce_max_ps(tops[g]);
+        inverse_sums[g] = 1.0f / _mm512_reduce_add_ps(sum16[g]);
     }
 }
 
 /* e [len] times the values' scales, rounded to 16 bits of their max: the high
    bytes of positions 4i..4i+3 in hi[i], the low ones in lo[i] (past len 0);
    returns the unit of a level. */
-static float weight_words(const float *e, const float *value_scales, int len, uint32_t *hi,
-                          uint32_t *lo) {
-    __m512 top = _mm512_setzero_ps();
-    for (int p = 0; p < len; p += 16) {
-        const __mmask16 here = first_lanes(len - p);
-        top = _mm512_max_ps(top, _mm512_mul_ps(_mm512_maskz_loadu_ps(here, e + p),
-                                               _mm512_maskz_loadu_ps(here, value_scales + p)));
-    }
-    const float amax = _mm512_reduce_max_ps(top);
+static float weight_words(const float *e, const float *value_scales, int len, float amax,
+                          uint32_t *hi, uint32_t *lo) {
     const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? WEIGHT_LEVELS / amax : 0.0f);
     for (int p = 0; p < len; p += 16) {  /* 16 positions: 4 words of each part */
         const __mmask16 here = first_lanes(len - p);
@@ -210,11 +244,17 @@ static inline __attribute__((always_inline)) void weighted_sum_int8(
     }
 }
 
-/* The first keys and values of kv head h of sequence b, to L2 (as paged_attention.c). */
-static void prefetch_task(const uint8_t *k_head, const int8_t *v_head, int dim,
+/* The first keys and values of kv head h of sequence b, and their scales, to L2
+   (as paged_attention.c). Unfetched, the scales' loads in paged_decode_int8
+   waited for memory: 12% of perf's samples in the kernel, served at C=64. */
+static void prefetch_task(const uint8_t *k_head, const int8_t *v_head, const float *ks_head,
+                          const float *vs_head, int dim,
                           const int32_t *table, int len, int block_size) {
     for (int p = 0; p < len && p < PREFETCH_SLOTS; p += block_size) {
-        const size_t at = (size_t)table[p / block_size] * block_size * dim;
+        const size_t slot = (size_t)table[p / block_size] * block_size;
+        _mm_prefetch((const char *)(ks_head + slot), _MM_HINT_T1);
+        _mm_prefetch((const char *)(vs_head + slot), _MM_HINT_T1);
+        const size_t at = slot * dim;
         const size_t bytes = (size_t)(len - p < block_size ? len - p : block_size) * dim;
         for (size_t line = 0; line < bytes; line += 64) {
             _mm_prefetch((const char *)k_head + at + line, _MM_HINT_T1);
@@ -255,14 +295,14 @@ void paged_decode_int8(const void *q, int64_t q_stride, const void *k, int64_t k
                                             bf16, dim, 0, (uint8_t *)v_cache + at * dim);
             }
         /* one scratch a thread, for the longest sequence */
-        const size_t floats = (size_t)room * (2 + group) + (size_t)group * (2 * dim + 2);
+        const size_t floats = (size_t)room * (2 + group) + (size_t)group * (2 * dim + 4);
         float *scratch = malloc(sizeof(float) * floats + sizeof(void *) * 2 * room +
                                 sizeof(uint32_t) * 2 * group * words + 2 * group * dim);
         float *key_scales = scratch, *value_scales = key_scales + room;
         float *score = value_scales + room, *query = score + (size_t)group * room;
         float *result = query + group * dim, *units = result + group * dim;
-        float *inverse_sums = units + group;
-        const uint8_t **keys = (const uint8_t **)(inverse_sums + group);
+        float *inverse_sums = units + group, *tops = inverse_sums + group, *amaxes = tops + group;
+        const uint8_t **keys = (const uint8_t **)(amaxes + group);
         const int8_t **values = (const int8_t **)(keys + room);
         uint32_t *weights = (uint32_t *)(values + room);
         int8_t *parts = (int8_t *)(weights + 2 * group * words);
@@ -279,7 +319,9 @@ void paged_decode_int8(const void *q, int64_t q_stride, const void *k, int64_t k
                 const int next_b = h + 1 < kv_heads ? b : b + 1, next_h = (h + 1) % kv_heads;
                 if (next_b < batch)
                     prefetch_task(k_cache + (size_t)next_h * cache_slots * dim,
-                                  v_cache + (size_t)next_h * cache_slots * dim, dim,
+                                  v_cache + (size_t)next_h * cache_slots * dim,
+                                  k_scales + (size_t)next_h * cache_slots,
+                                  v_scales + (size_t)next_h * cache_slots, dim,
                                   tables + (int64_t)next_b * table_width, lengths[next_b],
                                   block_size);
                 for (int p = 0; p < len; p += block_size) {  /* a block's slots are in a row */
@@ -301,12 +343,19 @@ void paged_decode_int8(const void *q, int64_t q_stride, const void *k, int64_t k
                     float *e = score + (size_t)g * room;
                     #define SCORES(DIM) scores_int8(parts, sq, sum, keys, values, key_scales, \
                                                     len, scale, e, DIM)
-                    if (dim == 64) SCORES(64); else if (dim == 128) SCORES(128); else SCORES(256);
+                    tops[g] = dim == 64 ? SCORES(64) : dim == 128 ? SCORES(128) : SCORES(256);
                     #undef SCORES
-                    inverse_sums[g] = 1.0f / exps(e, len);
-                    units[g] = weight_words(e, value_scales, len, weights + 2 * g * words,
-                                            weights + (2 * g + 1) * words);
                 }
+                for (int g = 0; g < group; g += 3) {
+                    const int n = group - g < 3 ? group - g : 3;
+                    #define NUM(GC) numerators(score + (size_t)g * room, room, value_scales, len, \
+                                               tops + g, inverse_sums + g, amaxes + g, GC)
+                    if (n == 3) NUM(3); else if (n == 2) NUM(2); else NUM(1);
+                    #undef NUM
+                }
+                for (int g = 0; g < group; g++)
+                    units[g] = weight_words(score + (size_t)g * room, value_scales, len, amaxes[g],
+                                            weights + 2 * g * words, weights + (2 * g + 1) * words);
                 for (int g = 0; g < group; g += 3) {  /* up to 3 heads a pass over the values */
                     const int n = group - g < 3 ? group - g : 3;
                     #define SUM(GC) weighted_sum_int8(weights + 2 * g * words, words, units + g, \
