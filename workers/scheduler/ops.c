@@ -8,11 +8,61 @@
 
 #define PARALLEL(rows) _Pragma("omp parallel for if ((rows) >= 8) schedule(static)")
 
+#ifdef __AVX512F__
+static inline __m512 bf16_lanes(const uint16_t *p) {  /* 16 bf16 as fp32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+        _mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline __m512 round_lanes(__m512 x) {  /* to bf16 (nearest even) and back */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+        (__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
+/* add_rms_norm below on bf16 rows, 16 lanes at a time, rounding where it does
+   (the sum of squares in another order): 64-row decode steps took 0.985x the
+   time (10 rounds, the two builds alternating step by step in one engine; Intel
+   Xeon with AMX), the compiler's loops over the row's fp32 copies being part
+   scalar. */
+static void add_rms_norm_bf16(uint16_t *h, const uint16_t *delta, const uint16_t *weight,
+                              uint16_t *out, int rows, int n, float eps) {
+    PARALLEL(rows)
+    for (int r = 0; r < rows; r++) {
+        float x[n];
+        uint16_t *hr = h + (int64_t)r * n;
+        __m512 squares[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int i = 0; i < n; i += 16) {
+            __m512 v = bf16_lanes(hr + i);
+            if (delta) {
+                v = round_lanes(_mm512_add_ps(v, bf16_lanes(delta + (int64_t)r * n + i)));
+                _mm256_storeu_si256((__m256i *)(hr + i), (__m256i)_mm512_cvtneps_pbh(v));
+            }
+            _mm512_storeu_ps(x + i, v);
+            squares[(i / 16) & 1] = _mm512_fmadd_ps(v, v, squares[(i / 16) & 1]);
+        }
+        const float sum = _mm512_reduce_add_ps(_mm512_add_ps(squares[0], squares[1]));
+        const __m512 inverse = _mm512_set1_ps(1.0f / sqrtf(sum / n + eps));
+        for (int i = 0; i < n; i += 16) {
+            __m512 v = _mm512_mul_ps(round_lanes(_mm512_mul_ps(_mm512_loadu_ps(x + i), inverse)),
+                                     bf16_lanes(weight + i));
+            _mm256_storeu_si256((__m256i *)(out + (int64_t)r * n + i),
+                                (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    }
+}
+#endif
+
 /* h [rows, n] += delta (unless NULL), rounded; out = (h / rms(h)) rounded, times
    weight, rounded: the residual stream's update and the next norm in one pass. */
 void add_rms_norm(void *h, const void *delta, const void *weight, void *out, int rows,
                   int n, float eps, int bf16) {
     const int width = bf16 ? 2 : 4;
+#ifdef __AVX512F__
+    if (bf16 && n % 16 == 0) {
+        add_rms_norm_bf16(h, delta, weight, out, rows, n, eps);
+        return;
+    }
+#endif
     PARALLEL(rows)
     for (int r = 0; r < rows; r++) {
         float x[n], w[n];
