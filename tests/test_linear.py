@@ -229,7 +229,8 @@ def test_dense_tiles_serve_the_batches_past_the_4bit_copy(checkpoint):
 def test_greedy_on_the_tiles_is_the_argmax_of_their_logits(checkpoint):
     """The lm_head's fused argmax: each row's largest output, the first of
     equal ones (a weight whose rows repeat makes ties), where the tiles serve
-    the rows; None where they do not (int8 rows beside them, or a bias)."""
+    the rows, and where the 8-bit VNNI rows beside them do (qgemm_vnni.argmax,
+    past any fine rows); None past both (the dense copy's rows) or with a bias."""
     generator = torch.Generator().manual_seed(0)
     embed = checkpoint["model.embed_tokens.weight"][:4096]
     kernels = Kernels(amx=True, vnni=True)
@@ -241,7 +242,8 @@ def test_greedy_on_the_tiles_is_the_argmax_of_their_logits(checkpoint):
             assert picks.dtype == torch.long
             assert torch.equal(picks, linear.logits(x).argmax(-1))
         x = torch.randn(VNNI_BESIDE_AMX, weight.shape[1], generator=generator).bfloat16()
-        assert linear.greedy(x) is None and linear.greedy(torch.cat([x] * 20)) is None
+        assert torch.equal(linear.greedy(x), linear.logits(x).argmax(-1))
+        assert linear.greedy(torch.cat([x] * 20)) is None
     biased = make_linear(embed, torch.ones(embed.shape[0]), torch.bfloat16, "lossless", kernels)
     assert biased.greedy(torch.randn(16, embed.shape[1]).bfloat16()) is None
 
