@@ -167,9 +167,9 @@ static inline __attribute__((always_inline)) void numerators(
     }
 }
 
-/* e [len] times the values' scales, rounded to 16 bits of their max: the high
-   bytes of positions 4i..4i+3 in hi[i], the low ones in lo[i] (past len 0);
-   returns the unit of a level. */
+/* e [len] times the values' scales, rounded to 16 bits of their max (amax,
+   from numerators): the high bytes of positions 4i..4i+3 in hi[i], the low
+   ones in lo[i] (past len 0); returns the unit of a level. */
 static float weight_words(const float *e, const float *value_scales, int len, float amax,
                           uint32_t *hi, uint32_t *lo) {
     const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? WEIGHT_LEVELS / amax : 0.0f);
@@ -346,7 +346,7 @@ void paged_decode_int8(const void *q, int64_t q_stride, const void *k, int64_t k
                     tops[g] = dim == 64 ? SCORES(64) : dim == 128 ? SCORES(128) : SCORES(256);
                     #undef SCORES
                 }
-                for (int g = 0; g < group; g += 3) {
+                for (int g = 0; g < group; g += 3) {  /* up to 3 heads a loop */
                     const int n = group - g < 3 ? group - g : 3;
                     #define NUM(GC) numerators(score + (size_t)g * room, room, value_scales, len, \
                                                tops + g, inverse_sums + g, amaxes + g, GC)
