@@ -12,6 +12,8 @@ import torch
 
 from pipeline.config import SchedulerConfig
 from pipeline.messages import Sampling
+from pipeline.tokenizer import Tokenizer
+from tests.harness import load_bench_script
 from workers.scheduler.engine import Engine, EngineRequest
 from workers.scheduler.layers import Driver, row_groups
 
@@ -152,3 +154,24 @@ def test_wider_steps_and_fp32_models_stay_in_python(engine, model_files):
         assert not driver.takes(driver.max_rows + 1, engine.attention)
     fp32 = Engine(model_files.path, SchedulerConfig(dtype="float32"))
     assert fp32.model.driver is None and Driver.build(fp32.model, fp32.attention) is None
+
+
+def test_kernel_pairs_times_both_sides_and_puts_the_engines_kernel_back(engine, model_files):
+    """bench/kernel_pairs.py swaps one of the driver's kernels for a no-op step by
+    step: both sides get decode steps, prefills alternate wave by wave, and
+    afterwards the engine answers as it did before (its own kernel is back)."""
+    pairs = load_bench_script("kernel_pairs")
+    sampling = Sampling(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def answer(name: str) -> list[int]:
+        engine.add(EngineRequest(name, [5, 9, 2, 7], [], sampling))
+        tokens = []
+        while engine.has_work():
+            tokens += [t for result in engine.step() for t in result.new_ids]
+        return tokens
+
+    before = answer("before")
+    waves = pairs.run(engine, Tokenizer(model_files.path), "silu", None, waves=2, rows=4)
+    assert [wave["prefill_side"] for wave in waves] == ["engine's", "other"]
+    assert all(wave["steps"]["engine's"] and wave["steps"]["other"] for wave in waves)
+    assert answer("after") == before

@@ -1,0 +1,141 @@
+"""Engine steps with one of layers.c's element kernels swapped, paired in one
+engine: the checkout's build against a build of another source file
+(`--variant`), or against a no-op (`--without`: the kernel's share of a step;
+the answers go wrong, the timing stands). Decode steps alternate between the
+two step by step, and whole waves' prefills wave by wave, on the serving
+bench's prompts: the shared host's speed moves by a quarter within minutes,
+which served runs minutes apart cannot resolve below ~10% (round Y in
+`bench/HISTORY.md`: a change this measured at 0.96x, served pairs ranged
+0.94-1.38x).
+Run: .venv/bin/python bench/kernel_pairs.py --kernel attend --variant /tmp/paged_int8.c
+     .venv/bin/python bench/kernel_pairs.py --kernel silu --without [--waves 6 --rows 64]
+A variant file is compiled as the engine compiles its own source (same flags;
+it includes the headers beside it, so keep it in workers/scheduler/ or copy
+kernels.h next to it)."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pipeline.bench import make_prompts
+from pipeline.config import SchedulerConfig
+from pipeline.messages import Sampling
+from pipeline.models import DEFAULT_MODEL, resolve_model
+from pipeline.tokenizer import Tokenizer
+from workers.scheduler import fused, native, paged
+from workers.scheduler.engine import Engine, EngineRequest
+from workers.scheduler.layers import address
+
+NOTHING = "void nothing(void) {}\n"  # called with a kernel's arguments, which it ignores
+
+
+def variant_address(engine: Engine, kernel: str, source: Path | None) -> tuple[int, object]:
+    """The function to pair against the engine's own `kernel` (a field of layers.c's
+    Model): `source` built with the engine's flags for it, or a no-op; and its
+    library, which must stay loaded while the pointer is in use."""
+    if source is None:
+        scratch = Path(tempfile.gettempdir()) / "kernel_pairs_nothing.c"
+        scratch.write_text(NOTHING)
+        lib = ctypes.CDLL(str(native.build(scratch)))
+        return address(lib.nothing), lib
+    if kernel == "attend":
+        int8 = hasattr(engine.attention.kernel, "int8")  # paged.InPlace on an 8-bit cache
+        name, signatures = ("paged_decode_int8", paged.INT8_SIGNATURES) if int8 else (
+            "paged_decode", paged.SIGNATURES)
+        flags = paged.INT8_FLAGS if int8 else wide_flags()
+    else:
+        name = {"norm": "add_rms_norm", "rope": "rope", "silu": "silu_mul"}[kernel]
+        signatures, flags = fused.SIGNATURES, wide_flags()
+    lib = native.load(source, signatures, flags, frozenset())  # the engine runs it here
+    if lib is None:
+        sys.exit(f"{source} did not build (see the log above)")
+    return address(getattr(lib, name)), lib
+
+
+def wide_flags() -> tuple[str, ...]:
+    """The flags native.load_best builds ops.c and paged_attention.c with here."""
+    return native.AVX512 if native.NEEDS_AVX512 <= native.cpu_flags() else ()
+
+
+def one_wave(engine: Engine, tokenizer: Tokenizer, rows: int, seed: int, swap,
+             prefill_side: str) -> dict:
+    """`rows` fresh prompts: their prefill on one side, then each full decode step
+    on the side that has run fewer."""
+    sampling = Sampling(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(make_prompts(rows, 24, seed)):
+        engine.add(EngineRequest(f"{seed}-{i}", tokenizer.encode(prompt), [], sampling))
+    swap(prefill_side)
+    started = time.perf_counter()
+    while engine.batcher.waiting or not all(s.is_decoding for s in engine.batcher.running):
+        engine.step()
+    prefill_ms = 1000 * (time.perf_counter() - started)
+    steps: dict[str, list[float]] = {"engine's": [], "other": []}
+    while engine.has_work():
+        full = len(engine.batcher.running) == rows
+        side = "other" if len(steps["other"]) < len(steps["engine's"]) else "engine's"
+        swap(side)
+        started = time.perf_counter()
+        engine.step()
+        if full:
+            steps[side].append(1000 * (time.perf_counter() - started))
+    swap("engine's")
+    return {"prefill_side": prefill_side, "prefill_ms": prefill_ms, "steps": steps}
+
+
+def run(engine: Engine, tokenizer: Tokenizer, kernel: str, source: Path | None, waves: int,
+        rows: int) -> list[dict]:
+    """The waves, the engine's own kernel put back at the end."""
+    model = engine.model.driver.model
+    own = getattr(model, kernel)
+    other, _lib = variant_address(engine, kernel, source)
+
+    def swap(side: str) -> None:
+        setattr(model, kernel, own if side == "engine's" else other)
+
+    try:
+        return [one_wave(engine, tokenizer, rows, 7000 + wave, swap,
+                         "other" if wave % 2 else "engine's") for wave in range(waves)]
+    finally:
+        swap("engine's")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernel", choices=("attend", "norm", "rope", "silu"), required=True)
+    side = parser.add_mutually_exclusive_group(required=True)
+    side.add_argument("--variant", type=Path, help="a C source to build and pair against")
+    side.add_argument("--without", action="store_true", help="pair against a no-op")
+    parser.add_argument("--waves", type=int, default=6)
+    parser.add_argument("--rows", type=int, default=64, help="requests a wave, so decode rows")
+    args = parser.parse_args()
+    if args.waves < 2:
+        parser.error("--waves must be 2 or more: prefills alternate wave by wave")
+    model = resolve_model(DEFAULT_MODEL)
+    engine = Engine(model.path, SchedulerConfig(max_running_requests=max(64, args.rows)))
+    if engine.model.driver is None:
+        sys.exit("this host runs no layers.c driver (layers.Driver.build): nothing to swap")
+    name = "without it" if args.without else str(args.variant)
+    waves = run(engine, Tokenizer(model.path), args.kernel, args.variant, args.waves, args.rows)
+    ratios = []
+    for number, wave in enumerate(waves):
+        ours, theirs = (statistics.median(wave["steps"][s]) for s in ("engine's", "other"))
+        ratios.append(theirs / ours)
+        print(f"wave {number + 1}: {args.rows}-row decode steps {ours:.2f} ms (engine's "
+              f"{args.kernel}), {theirs:.2f} ({name}): {theirs / ours:.3f}x; prefill "
+              f"{wave['prefill_ms']:.0f} ms on the {wave['prefill_side']} side")
+    own_ms, other_ms = (statistics.median(w["prefill_ms"] for w in waves
+                                          if w["prefill_side"] == side)
+                        for side in ("engine's", "other"))
+    print(f"decode steps, {name} / engine's: median {statistics.median(ratios):.3f}x "
+          f"({min(ratios):.3f}-{max(ratios):.3f}); prefill median {other_ms:.0f} ms against "
+          f"{own_ms:.0f} (waves apart, on prompts of their own)")
+
+
+if __name__ == "__main__":
+    main()
