@@ -2,9 +2,10 @@
 engine: the checkout's build against a build of another source file
 (`--variant`), or against a no-op (`--without`: the kernel's share of a step;
 the answers go wrong, the timing stands). Decode steps alternate between the
-two step by step, and whole waves' prefills wave by wave, on the serving
-bench's prompts: the shared host's speed moves by a quarter within minutes,
-which served runs minutes apart cannot resolve below ~10% (round Y in
+two step by step, and whole waves' prefills wave by wave (where layers.c runs
+them: on AMX, VNNI and AVX2 hosts), on the serving bench's prompts: the
+shared host's speed moves by a quarter within minutes, which served runs
+minutes apart cannot resolve below ~10% (round Y in
 `bench/HISTORY.md`: a change this measured at 0.96x, served pairs ranged
 0.94-1.38x).
 Run: .venv/bin/python bench/kernel_pairs.py --kernel attend --variant /tmp/paged_int8.c
