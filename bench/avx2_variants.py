@@ -31,7 +31,7 @@ from workers.scheduler import native, qgemm_vnni
 def build(spec: str):
     path, _, flags = spec.partition(":")
     extra = tuple(qgemm_vnni.FLAGS_AVX2) + tuple(f for f in flags.split(",") if f)
-    lib = native.load(Path(path), qgemm_vnni._signatures("avx2"), extra, qgemm_vnni.NEEDS_AVX2)
+    lib = native.load(Path(path), qgemm_vnni.signatures("avx2"), extra, qgemm_vnni.NEEDS_AVX2)
     if lib is None:
         raise SystemExit(f"{spec}: no build (this CPU lacks AVX2, FMA or F16C, or no compiler)")
     return lib

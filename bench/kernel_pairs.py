@@ -1,7 +1,10 @@
-"""Engine steps with one of layers.c's element kernels swapped, paired in one
-engine: the checkout's build against a build of another source file
-(`--variant`), or against a no-op (`--without`: the kernel's share of a step;
-the answers go wrong, the timing stands). Decode steps alternate between the
+"""Engine steps with one of layers.c's kernels swapped, paired in one engine:
+the checkout's build against a build of another source file (`--variant`), or
+against a no-op (`--without`: the kernel's share of a step; the answers go
+wrong, the timing stands). An element kernel (attend, norm, rope, silu), or
+`matmul`: every layer projection on the variant's functions of the same names
+(its file named as the source it varies: qgemm_amx.c, qgemm_vnni.c or
+qgemm_avx2.c; the lm_head keeps the engine's build). Decode steps alternate between the
 two step by step, and whole waves' prefills wave by wave (where layers.c runs
 them: on AMX, VNNI and AVX2 hosts), on the serving bench's prompts: the
 shared host's speed moves by a quarter within minutes, which served runs
@@ -9,6 +12,7 @@ minutes apart cannot resolve below ~10% (round Y in
 `bench/HISTORY.md`: a change this measured at 0.96x, served pairs ranged
 0.94-1.38x).
 Run: .venv/bin/python bench/kernel_pairs.py --kernel attend --variant /tmp/paged_int8.c
+     .venv/bin/python bench/kernel_pairs.py --kernel matmul --variant /tmp/x/qgemm_amx.c
      .venv/bin/python bench/kernel_pairs.py --kernel silu --without [--waves 6 --rows 64]
 A variant file is compiled as the engine compiles its own source (same flags;
 it includes the headers beside it, so keep it in workers/scheduler/ or copy
@@ -29,11 +33,27 @@ from pipeline.config import SchedulerConfig
 from pipeline.messages import Sampling
 from pipeline.models import DEFAULT_MODEL, resolve_model
 from pipeline.tokenizer import Tokenizer
-from workers.scheduler import fused, native, paged
+from workers.scheduler import fused, native, paged, qgemm_amx, qgemm_vnni
 from workers.scheduler.engine import Engine, EngineRequest
 from workers.scheduler.layers import address
 
 NOTHING = "void nothing(void) {}\n"  # called with a kernel's arguments, which it ignores
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# a matmul source's name: (its functions' signatures, its flags, the engine's build)
+MATMULS = {
+    "qgemm_amx.c": (qgemm_amx.SIGNATURES, qgemm_amx.FLAGS, qgemm_amx.load),
+    "qgemm_vnni.c": (qgemm_vnni.signatures("vnni"), qgemm_vnni.FLAGS, qgemm_vnni.load),
+    "qgemm_avx2.c": (qgemm_vnni.signatures("avx2"), qgemm_vnni.FLAGS_AVX2,
+                     qgemm_vnni.load_avx2),
+}
+
+
+def nothing() -> tuple[int, object]:
+    """A no-op's address, and its library (which must stay loaded while in use)."""
+    scratch = Path(tempfile.gettempdir()) / "kernel_pairs_nothing.c"
+    scratch.write_text(NOTHING)
+    lib = ctypes.CDLL(str(native.build(scratch)))
+    return address(lib.nothing), lib
 
 
 def variant_address(engine: Engine, kernel: str, source: Path | None) -> tuple[int, object]:
@@ -41,10 +61,7 @@ def variant_address(engine: Engine, kernel: str, source: Path | None) -> tuple[i
     Model): `source` built with the engine's flags for it, or a no-op; and its
     library, which must stay loaded while the pointer is in use."""
     if source is None:
-        scratch = Path(tempfile.gettempdir()) / "kernel_pairs_nothing.c"
-        scratch.write_text(NOTHING)
-        lib = ctypes.CDLL(str(native.build(scratch)))
-        return address(lib.nothing), lib
+        return nothing()
     if kernel == "attend":
         int8 = hasattr(engine.attention.kernel, "int8")  # paged.InPlace on an 8-bit cache
         name, signatures = ("paged_decode_int8", paged.INT8_SIGNATURES) if int8 else (
@@ -89,15 +106,44 @@ def one_wave(engine: Engine, tokenizer: Tokenizer, rows: int, seed: int, swap,
     return {"prefill_side": prefill_side, "prefill_ms": prefill_ms, "steps": steps}
 
 
+def matmul_swaps(engine: Engine, source: Path | None) -> tuple[list, object]:
+    """(a layer's Proj, "fn", the engine's function, the other) for every projection
+    of every regime whose function the variant replaces (all of them for a
+    no-op); and the variant's library, which must stay loaded while in use."""
+    if source is None:
+        other, lib = nothing()
+        replace = None
+    else:
+        if source.name not in MATMULS:
+            sys.exit(f"--kernel matmul: name the file as one of {', '.join(MATMULS)}")
+        signatures, flags, own_build = MATMULS[source.name]
+        own_lib, lib = own_build(), native.load(source, signatures, flags, frozenset())
+        if own_lib is None or lib is None:
+            sys.exit(f"{source}: the engine runs no such build here, or it did not build")
+        replace = {address(getattr(own_lib, name)): address(getattr(lib, name))
+                   for name in signatures}
+    projections = [getattr(layer, name) for _, layers in engine.model.driver.regimes
+                   for layer in layers for name in PROJECTIONS]
+    swaps = [(proj, "fn", proj.fn, other if replace is None else replace.get(proj.fn))
+             for proj in projections]
+    return [swap for swap in swaps if swap[3] is not None], lib
+
+
 def run(engine: Engine, tokenizer: Tokenizer, kernel: str, source: Path | None, waves: int,
         rows: int) -> list[dict]:
-    """The waves, the engine's own kernel put back at the end."""
-    model = engine.model.driver.model
-    own = getattr(model, kernel)
-    other, _lib = variant_address(engine, kernel, source)
+    """The waves, the engine's own kernels put back at the end."""
+    if kernel == "matmul":
+        swaps, _lib = matmul_swaps(engine, source)
+        if not swaps:
+            sys.exit(f"{source}: no layer projection here runs on its functions")
+    else:
+        model = engine.model.driver.model
+        other, _lib = variant_address(engine, kernel, source)
+        swaps = [(model, kernel, getattr(model, kernel), other)]
 
     def swap(side: str) -> None:
-        setattr(model, kernel, own if side == "engine's" else other)
+        for holder, field, own, theirs in swaps:
+            setattr(holder, field, own if side == "engine's" else theirs)
 
     try:
         return [one_wave(engine, tokenizer, rows, 7000 + wave, swap,
@@ -108,7 +154,8 @@ def run(engine: Engine, tokenizer: Tokenizer, kernel: str, source: Path | None, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernel", choices=("attend", "norm", "rope", "silu"), required=True)
+    parser.add_argument("--kernel", choices=("attend", "norm", "rope", "silu", "matmul"),
+                        required=True)
     side = parser.add_mutually_exclusive_group(required=True)
     side.add_argument("--variant", type=Path, help="a C source to build and pair against")
     side.add_argument("--without", action="store_true", help="pair against a no-op")

@@ -156,10 +156,13 @@ def test_wider_steps_and_fp32_models_stay_in_python(engine, model_files):
     assert fp32.model.driver is None and Driver.build(fp32.model, fp32.attention) is None
 
 
-def test_kernel_pairs_times_both_sides_and_puts_the_engines_kernel_back(engine, model_files):
-    """bench/kernel_pairs.py swaps one of the driver's kernels for a no-op step by
-    step: both sides get decode steps, prefills alternate wave by wave, and
-    afterwards the engine answers as it did before (its own kernel is back)."""
+@pytest.mark.parametrize("kernel", ["silu", "matmul"])
+def test_kernel_pairs_times_both_sides_and_puts_the_engines_kernels_back(engine, model_files,
+                                                                         kernel):
+    """bench/kernel_pairs.py swaps one of the driver's kernels (or every layer
+    projection's) for a no-op step by step: both sides get decode steps,
+    prefills alternate wave by wave, and afterwards the engine answers as it
+    did before (its own kernels are back)."""
     pairs = load_bench_script("kernel_pairs")
     sampling = Sampling(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -171,7 +174,7 @@ def test_kernel_pairs_times_both_sides_and_puts_the_engines_kernel_back(engine, 
         return tokens
 
     before = answer("before")
-    waves = pairs.run(engine, Tokenizer(model_files.path), "silu", None, waves=2, rows=4)
+    waves = pairs.run(engine, Tokenizer(model_files.path), kernel, None, waves=2, rows=4)
     assert [wave["prefill_side"] for wave in waves] == ["engine's", "other"]
     assert all(wave["steps"]["engine's"] and wave["steps"]["other"] for wave in waves)
     assert answer("after") == before

@@ -128,18 +128,21 @@ def argmax(x: torch.Tensor, w: Tiled) -> torch.Tensor:
     return out
 
 
+P, I32 = native.P, native.I32
+SIGNATURES = {
+    "amx_init": [P],
+    # x, rows, in, q, scale, low, y, y is bf16, out, bits
+    "q_gemm_amx": [P, I32, I32, P, P, P, P, I32, I32, I32],
+    # x, rows, in, q, scale, low, out (int64), out_dim, bits
+    "q_argmax_amx": [P, I32, I32, P, P, P, P, I32, I32],
+    "tiled_gemm": [P, I32, I32, P, P, I32, I32],  # x, rows, in, Parts, y, y is bf16, out
+    "dense_gemm_amx": [P, I32, I32, P, P, I32, I32],  # x, rows, in, w, y, y is bf16, out
+}
+
+
 @cache
 def load() -> ctypes.CDLL | None:
-    P, I32 = native.P, native.I32
-    lib = native.load(SOURCE, {
-        "amx_init": [P],
-        # x, rows, in, q, scale, low, y, y is bf16, out, bits
-        "q_gemm_amx": [P, I32, I32, P, P, P, P, I32, I32, I32],
-        "q_argmax_amx": [P, I32, I32, P, P, P, P, I32, I32],  # x, rows, in, q, scale, low, out
-        # (int64), out_dim, bits
-        "tiled_gemm": [P, I32, I32, P, P, I32, I32],  # x, rows, in, Parts, y, y is bf16, out
-        "dense_gemm_amx": [P, I32, I32, P, P, I32, I32],  # x, rows, in, w, y, y is bf16, out
-    }, FLAGS, NEEDS)
+    lib = native.load(SOURCE, SIGNATURES, FLAGS, NEEDS)
     if lib is None:
         return None
     ok = ctypes.c_int(0)

@@ -132,7 +132,8 @@ def takes_argmax(w: Blocked) -> bool:
     return w.bits == 8 and not w.same_dtype
 
 
-def _signatures(suffix: str) -> dict[str, list]:
+def signatures(suffix: str) -> dict[str, list]:
+    """The exported functions of the `suffix` build (vnni or avx2), by name."""
     P, I32 = native.P, native.I32
     signature = [P, I32, I32, P, P, I32, I32]  # x, rows, in, weight, y, y (AVX2: x too) bf16, out
     found = {f"q{bits}_gemm_{suffix}{fine}": signature
@@ -145,12 +146,12 @@ def _signatures(suffix: str) -> dict[str, list]:
 @cache
 def load() -> ctypes.CDLL | None:
     """The VNNI build, where the CPU has it."""
-    return native.load(SOURCE, _signatures("vnni"), FLAGS, NEEDS)
+    return native.load(SOURCE, signatures("vnni"), FLAGS, NEEDS)
 
 
 @cache
 def load_avx2() -> ctypes.CDLL | None:
-    return native.load(SOURCE_AVX2, _signatures("avx2"), FLAGS_AVX2, NEEDS_AVX2)
+    return native.load(SOURCE_AVX2, signatures("avx2"), FLAGS_AVX2, NEEDS_AVX2)
 
 
 def library() -> tuple[ctypes.CDLL | None, str]:
