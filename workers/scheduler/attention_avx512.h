@@ -74,8 +74,7 @@ static inline __attribute__((always_inline)) void scores_bf16(
    2j + 1, past len zero; stride = pair_stride(len) (paged_attention.c). */
 
 static inline __m512 bf16_half(__m512bh both, int upper) {
-    __m256i half = _mm512_extracti64x4_epi64((__m512i)both, upper);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    return widen_bf16(_mm512_extracti64x4_epi64((__m512i)both, upper));
 }
 
 static inline void bf16_pairs(const float *e, int len, uint32_t *pairs, int GC) {

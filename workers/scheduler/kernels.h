@@ -38,6 +38,11 @@ static inline __m256 exp8(__m256 x) {
 }
 
 #ifdef __AVX512F__
+/* 16 bf16 (the low half of each 32-bit lane to be) as fp32: exact. */
+static inline __m512 widen_bf16(__m256i half) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
 /* The first n of 16 lanes (none for n <= 0, all for n >= 16): a row's tail. */
 static inline __mmask16 first_lanes(int n) {
     return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);

@@ -10,13 +10,11 @@
 
 #ifdef __AVX512F__
 static inline __m512 bf16_lanes(const uint16_t *p) {  /* 16 bf16 as fp32 */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-        _mm256_loadu_si256((const __m256i *)p)), 16));
+    return widen_bf16(_mm256_loadu_si256((const __m256i *)p));
 }
 
 static inline __m512 round_lanes(__m512 x) {  /* to bf16 (nearest even) and back */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-        (__m256i)_mm512_cvtneps_pbh(x)), 16));
+    return widen_bf16((__m256i)_mm512_cvtneps_pbh(x));
 }
 
 /* add_rms_norm below on bf16 rows, 16 lanes at a time, rounding where it does

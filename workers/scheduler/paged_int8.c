@@ -23,8 +23,7 @@ enum { FINE_LEVELS = 127 * 128, WEIGHT_LEVELS = 65535, PREFETCH_SLOTS = 128 };
 /* 16 fp32 of x at d, from bf16 or fp32 */
 static inline __m512 load16(const void *x, int d, int bf16) {
     if (bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-            _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + d))), 16));
+        return widen_bf16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + d)));
     return _mm512_loadu_ps((const float *)x + d);
 }
 

@@ -20,11 +20,21 @@ SOURCE = Path(__file__).with_name("qgemm_amx.c")
 FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16")
 NEEDS = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
                    "amx_tile", "amx_bf16"})
+P, I32 = native.P, native.I32
+SIGNATURES = {
+    "amx_init": [P],
+    # x, rows, in, q, scale, low, y, y is bf16, out, bits
+    "q_gemm_amx": [P, I32, I32, P, P, P, P, I32, I32, I32],
+    # x, rows, in, q, scale, low, out (int64), out_dim, bits
+    "q_argmax_amx": [P, I32, I32, P, P, P, P, I32, I32],
+    "tiled_gemm": [P, I32, I32, P, P, I32, I32],  # x, rows, in, Parts, y, y is bf16, out
+    "dense_gemm_amx": [P, I32, I32, P, P, I32, I32],  # x, rows, in, w, y, y is bf16, out
+}
 
 
 class Parts(ctypes.Structure):
     """A Tiled as qgemm_amx.c's tiled_gemm takes it (layers.c's signature)."""
-    _fields_ = [("q", native.P), ("scale", native.P), ("low", native.P), ("bits", native.I32)]
+    _fields_ = [("q", P), ("scale", P), ("low", P), ("bits", I32)]
 
 
 @dataclass(frozen=True)
@@ -126,18 +136,6 @@ def argmax(x: torch.Tensor, w: Tiled) -> torch.Tensor:
                         None if w.low is None else w.low.data_ptr(), out.data_ptr(), w.out_dim,
                         w.bits)
     return out
-
-
-P, I32 = native.P, native.I32
-SIGNATURES = {
-    "amx_init": [P],
-    # x, rows, in, q, scale, low, y, y is bf16, out, bits
-    "q_gemm_amx": [P, I32, I32, P, P, P, P, I32, I32, I32],
-    # x, rows, in, q, scale, low, out (int64), out_dim, bits
-    "q_argmax_amx": [P, I32, I32, P, P, P, P, I32, I32],
-    "tiled_gemm": [P, I32, I32, P, P, I32, I32],  # x, rows, in, Parts, y, y is bf16, out
-    "dense_gemm_amx": [P, I32, I32, P, P, I32, I32],  # x, rows, in, w, y, y is bf16, out
-}
 
 
 @cache

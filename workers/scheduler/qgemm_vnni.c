@@ -62,11 +62,8 @@ static inline __attribute__((always_inline)) void quantize_row(
         const uint16_t *x, int K, int8_t *q, float *scales, const int BITS, const int FINE) {
     const float levels = FINE ? (float)FINE_LEVELS : 127.0f;
     for (int g = 0; g < K / GROUP; g++) {
-        __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + g * GROUP))), 16));
-        __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + g * GROUP + 16))),
-            16));
+        __m512 lo = widen_bf16(_mm256_loadu_si256((const __m256i *)(x + g * GROUP)));
+        __m512 hi = widen_bf16(_mm256_loadu_si256((const __m256i *)(x + g * GROUP + 16)));
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
         float sx = amax / levels, inv = amax > 0.0f ? levels / amax : 0.0f;
         __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
