@@ -11,6 +11,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef void (*gemm_fn)(const void *x, int rows, int in, const void *w, void *y, int bf16_out,
                         int out);
@@ -34,6 +35,7 @@ typedef struct {
 } Layer;
 typedef struct {
     norm_fn norm; rope_fn rope; silu_fn silu; attend_fn attend;
+    const void *embed, *final_norm;  /* the token embeddings [vocab, hidden]; the last norm's weight */
     int hidden, inter, heads, kv_heads, dim;
     float eps, scale;
     int64_t cache_slots;
@@ -68,19 +70,23 @@ static void free_buffers(Buffers b) {
     free(b.x); free(b.qkv); free(b.att); free(b.delta); free(b.gate_up); free(b.act);
 }
 
-/* The first layer's normalized input of rows [a, a + rows) of h, into x. */
-static void input_norm_rows(const Model *m, const Layer *layers, int a, int rows, void *h,
-                            Buffers b) {
-    const size_t at = (size_t)a * m->hidden * (m->bf16 ? 2 : 4);
+/* Rows [a, a + rows) of h: the embeddings of their tokens, ids[a..]; and
+   their first layer's normalized input, into x. */
+static void input_norm_rows(const Model *m, const Layer *layers, const int64_t *ids, int a,
+                            int rows, void *h, Buffers b) {
+    const size_t row = (size_t)m->hidden * (m->bf16 ? 2 : 4), at = (size_t)a * row;
+    for (int r = 0; r < rows; r++)
+        memcpy((char *)h + at + r * row, (const char *)m->embed + ids[a + r] * row, row);
     m->norm((char *)h + at, NULL, layers[0].input_norm, b.x + at, rows, m->hidden, m->eps,
             m->bf16);
 }
 
 /* Layer l on rows [a, a + rows) of h, whose x holds the layer's normalized
-   input; leaves the next layer's there (after the last, only h += delta). */
+   input; leaves the next layer's there, and after the last the model's final
+   norm of h in `out`. */
 static void layer_rows(const Model *m, const Layer *layers, int num_layers, int l,
                        const Step *s, int a, int rows, const int64_t *positions,
-                       const void *cos, const void *sin, void *h, Buffers b) {
+                       const void *cos, const void *sin, void *h, void *out, Buffers b) {
     const int nq = m->heads * m->dim, nkv = m->kv_heads * m->dim, width = nq + 2 * nkv;
     const int bf16 = m->bf16;
     const size_t size = bf16 ? 2 : 4, at = (size_t)a;
@@ -101,19 +107,24 @@ static void layer_rows(const Model *m, const Layer *layers, int num_layers, int 
     L->gate_up.fn(x, rows, m->hidden, L->gate_up.w, gate_up, bf16, 2 * m->inter);
     m->silu(gate_up, act, rows, m->inter, bf16);
     L->down.fn(act, rows, m->inter, L->down.w, delta, bf16, m->hidden);
-    const void *next = l + 1 < num_layers ? layers[l + 1].input_norm : L->post_norm;
-    m->norm(hr, delta, next, x, rows, m->hidden, m->eps, bf16);
+    if (l + 1 < num_layers)
+        m->norm(hr, delta, layers[l + 1].input_norm, x, rows, m->hidden, m->eps, bf16);
+    else
+        m->norm(hr, delta, m->final_norm, (char *)out + size * at * m->hidden, rows, m->hidden,
+                m->eps, bf16);
 }
 
-/* h [rows, hidden], the residual stream after the embedding, updated in place;
-   each kernel spreads its own work over the threads. */
+/* The step's tokens ids [rows] through every layer: out [rows, hidden] is the
+   model's final norm of the residual stream (h [rows, hidden], scratch), as
+   LlamaModel.head_input gives it; each kernel spreads its own work over the
+   threads. */
 void decode_layers(const Model *m, const Layer *layers, int num_layers, const Step *s,
-                   int rows, const int64_t *positions, const void *cos, const void *sin,
-                   void *h) {
+                   int rows, const int64_t *ids, const int64_t *positions, const void *cos,
+                   const void *sin, void *h, void *out) {
     Buffers b = buffers(m, rows);
-    input_norm_rows(m, layers, 0, rows, h, b);
+    input_norm_rows(m, layers, ids, 0, rows, h, b);
     for (int l = 0; l < num_layers; l++)
-        layer_rows(m, layers, num_layers, l, s, 0, rows, positions, cos, sin, h, b);
+        layer_rows(m, layers, num_layers, l, s, 0, rows, positions, cos, sin, h, out, b);
     free_buffers(b);
 }
 
@@ -126,12 +137,13 @@ typedef struct { _Atomic int next, busy; char pad[56]; } Progress;
    this thread alone, and lets it go. No thread waits for another between
    layers, so one the OS preempts holds up one group, not the step. */
 void decode_layers_grouped(const Model *m, const Layer *layers, int num_layers,
-                           const Step *s, int rows, const int64_t *positions, const void *cos,
-                           const void *sin, void *h, const int32_t *starts, int groups) {
+                           const Step *s, int rows, const int64_t *ids,
+                           const int64_t *positions, const void *cos, const void *sin, void *h,
+                           void *out, const int32_t *starts, int groups) {
     Buffers b = buffers(m, rows);
     Progress *progress = aligned_alloc(64, sizeof(Progress) * groups);
     for (int g = 0; g < groups; g++) {
-        atomic_init(&progress[g].next, -1);  /* -1: its first norm */
+        atomic_init(&progress[g].next, -1);  /* -1: its embeddings and first norm */
         atomic_init(&progress[g].busy, 0);
     }
     const int levels = omp_get_max_active_levels();
@@ -158,9 +170,9 @@ void decode_layers_grouped(const Model *m, const Layer *layers, int num_layers,
         const int a = starts[pick], n = starts[pick + 1] - a;
         if (l < num_layers) {
             if (l < 0)
-                input_norm_rows(m, layers, a, n, h, b);
+                input_norm_rows(m, layers, ids, a, n, h, b);
             else
-                layer_rows(m, layers, num_layers, l, s, a, n, positions, cos, sin, h, b);
+                layer_rows(m, layers, num_layers, l, s, a, n, positions, cos, sin, h, out, b);
             atomic_store(&progress[pick].next, l + 1);
         }
         atomic_store(&progress[pick].busy, 0);

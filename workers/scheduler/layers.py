@@ -39,9 +39,10 @@ class Layer(ctypes.Structure):
 
 
 class Model(ctypes.Structure):
-    _fields_ = [("norm", P), ("rope", P), ("silu", P), ("attend", P),
-                ("hidden", ctypes.c_int), ("inter", ctypes.c_int), ("heads", ctypes.c_int),
-                ("kv_heads", ctypes.c_int), ("dim", ctypes.c_int), ("eps", ctypes.c_float),
+    _fields_ = [("norm", P), ("rope", P), ("silu", P), ("attend", P), ("embed", P),
+                ("final_norm", P), ("hidden", ctypes.c_int), ("inter", ctypes.c_int),
+                ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("dim", ctypes.c_int),
+                ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("cache_slots", ctypes.c_int64),
                 ("bf16", ctypes.c_int)]
 
@@ -119,10 +120,11 @@ class Driver:
         self.run_grouped = lib.decode_layers_grouped
         self.grouped = grouped  # False: every step layer by layer (bench/grouped_steps.py)
         self.max_rows = regimes[-1][0]
-        self.cos, self.sin = model.cos, model.sin
+        self.cos, self.sin, self.dtype = model.cos, model.sin, model.dtype
         ops, spec, kernel = model.ops, model.spec, attention.kernel
         self.model = Model(address(ops.norm), address(ops.rope), address(ops.silu),
-                           address(kernel.kernel), spec.hidden_size, spec.intermediate_size,
+                           address(kernel.kernel), model.embed.data_ptr(),
+                           model.norm.data_ptr(), spec.hidden_size, spec.intermediate_size,
                            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_eps,
                            attention.scale, kernel.slots, model.dtype == torch.bfloat16)
 
@@ -162,21 +164,28 @@ class Driver:
     def takes(self, rows: int, attend) -> bool:
         return rows <= self.max_rows and attend is self.attention
 
-    def __call__(self, h: torch.Tensor, positions: torch.Tensor) -> None:
-        """All layers on the residual stream h [rows, hidden] (in place);
-        the attention's step arguments are this step's (attention.prepare)."""
-        rows = h.shape[0]
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings through every layer and the final norm
+        [rows, hidden], as LlamaModel._layers gives them; the attention's step
+        arguments are this step's (attention.prepare). The embeddings are taken
+        and the final norm made inside the layers' region, each group its own
+        rows: as torch ops apart, each was a parallel region of its own whose
+        start waited for the OpenMP thread the OS had lent to the tier."""
+        rows = input_ids.shape[0]
         layers = next(layers for bound, layers in self.regimes if rows <= bound)
         slots, _rows, tables, width, lengths, block_size = self.attention.kernel.step_args
         step = Step(slots, tables, width, lengths, block_size)
+        h, out = (torch.empty(rows, self.model.hidden, dtype=self.dtype) for _ in range(2))
         args = (ctypes.byref(self.model), layers, len(layers), ctypes.byref(step), rows,
-                positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), h.data_ptr())
+                input_ids.data_ptr(), positions.data_ptr(), self.cos.data_ptr(),
+                self.sin.data_ptr(), h.data_ptr(), out.data_ptr())
         starts = (row_groups(self.attention.meta.sequence_rows, torch.get_num_threads())
                   if self.grouped else None)
         if starts is None:
             self.run(*args)
         else:
             self.run_grouped(*args, (ctypes.c_int32 * len(starts))(*starts), len(starts) - 1)
+        return out
 
 
 @cache
@@ -184,8 +193,9 @@ def load() -> ctypes.CDLL | None:
     if fused.load() is None or paged.load() is None:
         return None
     I32 = native.I32
-    return native.load(SOURCE, {"decode_layers": [P, P, I32, P, I32, P, P, P, P],
-                                "decode_layers_grouped": [P, P, I32, P, I32, P, P, P, P, P, I32]})
+    return native.load(SOURCE, {"decode_layers": [P, P, I32, P, I32, P, P, P, P, P, P],
+                                "decode_layers_grouped": [P, P, I32, P, I32, P, P, P, P, P, P,
+                                                          P, I32]})
 
 
 def build() -> Path:

@@ -153,15 +153,17 @@ class LlamaModel:
     def head_input(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    logit_rows: torch.Tensor, attend) -> torch.Tensor:
         """`forward` up to the lm_head: the final norm of `logit_rows`."""
-        h = self.embed[input_ids]  # the residual stream, updated in place
-        if self.driver is not None and self.driver.takes(h.shape[0], attend):
-            self.driver(h, positions)  # the same kernels as _layers, in one call
+        if self.driver is not None and self.driver.takes(input_ids.shape[0], attend):
+            x = self.driver(input_ids, positions)  # the same kernels as _layers, in one call
         else:
-            self._layers(h, positions, attend)
-        return rms_norm(h[logit_rows], self.norm, self.spec.rms_eps)
+            x = self._layers(self.embed[input_ids], positions, attend)
+        # every row samples in a step of decodes: no gather (a parallel region of its own)
+        return x if logit_rows.shape[0] == x.shape[0] else x[logit_rows]
 
-    def _layers(self, h: torch.Tensor, positions: torch.Tensor, attend) -> None:
-        """Every decoder layer on the residual stream h, in place."""
+    def _layers(self, h: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """Every decoder layer on the residual stream h (updated in place), then
+        the final norm, made for every row by the kernel of the layers' norms
+        (which rounds where transformers' RMSNorm does)."""
         spec, ops, eps = self.spec, self.ops, self.spec.rms_eps
         num_q, num_kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         x = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
@@ -177,10 +179,10 @@ class LlamaModel:
             out = attend(index, q, k, v.view(-1, spec.num_kv_heads, spec.head_dim))
             x = ops.add_rms_norm(h, layer.o(out), layer.post_norm, eps)
             down = layer.down(ops.silu_mul(layer.gate_up(x)))
-            if index + 1 < len(self.layers):
-                x = ops.add_rms_norm(h, down, self.layers[index + 1].input_norm, eps)
-            else:
-                h += down
+            last = index + 1 == len(self.layers)
+            x = ops.add_rms_norm(h, down, self.norm if last else self.layers[index + 1].input_norm,
+                                 eps)
+        return x
 
 
 def rope_tables(spec: ModelSpec, device: torch.device,
