@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.config import SchedulerConfig
-from pipeline.errors import ContextLengthExceeded
+from pipeline.errors import ContextLengthExceeded, InvalidRequest
 from pipeline.messages import Sampling
 from workers.scheduler.engine import Engine, EngineRequest
 
@@ -100,6 +100,16 @@ def test_prompt_that_cannot_fit_the_context_is_refused(engine):
     too_long = Sampling(max_tokens=engine.max_context)
     with pytest.raises(ContextLengthExceeded):
         engine.add(EngineRequest("big", [1, 2, 3], [], too_long))
+
+
+def test_a_token_id_past_the_models_embeddings_is_refused(engine):
+    """The scheduler checks ids against the tokenizer's vocabulary; the engine
+    against its own embedding table, which layers.c reads unchecked."""
+    vocab = engine.model.embed.shape[0]
+    for ids in ([1, vocab], [-1, 2]):
+        with pytest.raises(InvalidRequest, match="token ids"):
+            engine.add(EngineRequest("bad", ids, [], Sampling(max_tokens=2)))
+    assert not engine.has_work()
 
 
 def test_many_concurrent_requests_of_different_lengths_each_match_running_alone(

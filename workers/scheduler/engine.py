@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import SchedulerConfig, sized
-from pipeline.errors import ConfigError, ContextLengthExceeded
+from pipeline.errors import ConfigError, ContextLengthExceeded, InvalidRequest
 from pipeline.messages import Sampling, TokenLogprob
 from workers.scheduler.attention import (
     bytes_per_block,
@@ -181,6 +181,10 @@ class Engine:
             raise ContextLengthExceeded(
                 f"{num_tokens} tokens plus {remaining} to generate exceed the context of "
                 f"{self.max_context} tokens", param="max_tokens")
+        ids = [*request.prompt_ids, *request.output_ids]
+        if ids and not 0 <= min(ids) <= max(ids) < self.model.embed.shape[0]:
+            # the step's embeddings are copied by C (layers.c): no index check there
+            raise InvalidRequest(f"token ids must be in [0, {self.model.embed.shape[0]})")
         if remaining == 0:
             self.done_on_arrival.append(StepResult(request.request_id, [], "length", None))
             return
