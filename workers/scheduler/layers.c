@@ -35,7 +35,8 @@ typedef struct {
 } Layer;
 typedef struct {
     norm_fn norm; rope_fn rope; silu_fn silu; attend_fn attend;
-    const void *embed, *final_norm;  /* the token embeddings [vocab, hidden]; the last norm's weight */
+    const void *embed;  /* the token embeddings [vocab, hidden] */
+    const void *final_norm;  /* the model's last norm's weight */
     int hidden, inter, heads, kv_heads, dim;
     float eps, scale;
     int64_t cache_slots;
