@@ -10,7 +10,10 @@ them: on AMX, VNNI and AVX2 hosts), on the serving bench's prompts: the
 shared host's speed moves by a quarter within minutes, which served runs
 minutes apart cannot resolve below ~10% (round Y in
 `bench/HISTORY.md`: a change this measured at 0.96x, served pairs ranged
-0.94-1.38x).
+0.94-1.38x). Beside AMX's tiles a layer's gate_up makes silu itself
+(qgemm_amx.c's tiled_gemm_silu, steps of 11-64 rows), so there `--kernel silu`
+swaps silu in prefill and in steps of 10 rows or fewer, and a qgemm_amx.c
+variant's tiled_gemm_silu pairs with the engine's.
 Run: .venv/bin/python bench/kernel_pairs.py --kernel attend --variant /tmp/paged_int8.c
      .venv/bin/python bench/kernel_pairs.py --kernel matmul --variant /tmp/x/qgemm_amx.c
      .venv/bin/python bench/kernel_pairs.py --kernel silu --without [--waves 6 --rows 64]

@@ -142,10 +142,14 @@ def test_grouped_steps_give_the_python_forwards_logits(model_files):
 
 def test_steps_beside_amx_tiles_run_layer_by_layer(engine):
     """Grouped steps run each group's matmuls on its own rows; the tiles'
-    cost a row falls with rows (one dequantization serves up to 64)."""
+    cost a row falls with rows (one dequantization serves up to 64). Where
+    the tiles run an MLP's gate_up, their kernel makes its activation too."""
     tiles = engine.kernels.amx
     assert tiles == any(layer.gate_up.tiled is not None for layer in engine.model.layers)
     assert engine.model.driver.grouped is not tiles
+    fused = [bool(layer.gate_up_silu) for _, layers in engine.model.driver.regimes
+             for layer in layers]
+    assert any(fused) == tiles and not all(fused)  # int8's few rows: silu apart
 
 
 def test_wider_steps_and_fp32_models_stay_in_python(engine, model_files):

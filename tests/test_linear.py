@@ -13,9 +13,10 @@ import torch
 from safetensors import safe_open
 
 from pipeline.errors import ConfigError
-from workers.scheduler import qgemm, qgemm_amx
+from workers.scheduler import fused, qgemm, qgemm_amx
 from workers.scheduler.calibrate import onednn_takes
 from workers.scheduler.engine import resolve_dtype, resolve_quantization
+from workers.scheduler.fused import NativeOps
 from workers.scheduler.linear import (
     ONEDNN_ROWS,
     PLAIN,
@@ -37,6 +38,7 @@ def checkpoint(model_files):
     with safe_open(str(path), framework="pt") as f:
         return {name: f.get_tensor(name) for name in (
             "model.layers.0.self_attn.q_proj.weight", "model.layers.7.mlp.down_proj.weight",
+            "model.layers.7.mlp.gate_proj.weight", "model.layers.7.mlp.up_proj.weight",
             "model.embed_tokens.weight")}
 
 
@@ -201,6 +203,23 @@ def test_qgemm_amx_computes_on_the_dense_bf16_weight(checkpoint):
             assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, out.bfloat16())
         x = torch.randn(64, weight.shape[1], generator=generator).bfloat16()
         assert relative_error(linear(x), x.float() @ dense) < 1e-2  # through Int4/Int8
+
+
+@pytest.mark.skipif(qgemm_amx.load() is None, reason="no AMX CPU or no C compiler")
+def test_the_tiles_mlp_activation_is_silu_mul_of_their_gate_up_bit_for_bit(checkpoint):
+    """layers.c's MLP on the tiles: silu(gate) * up made from the tiles' sums
+    (tiled_gemm_silu) is ops.c's silu_mul of their bf16 gate_up, for 1 to 4 row
+    blocks, full or not, and more than one pass of 64 rows."""
+    generator = torch.Generator().manual_seed(0)
+    gate_up = torch.cat([checkpoint[f"model.layers.7.mlp.{name}_proj.weight"]
+                         for name in ("gate", "up")])
+    linear = make_linear(gate_up, None, torch.bfloat16, "lossless", Kernels(amx=True))
+    ops = NativeOps(fused.load(), torch.bfloat16)
+    for rows in (1, 5, 16, 17, 40, 64, 100):
+        x = torch.randn(rows, gate_up.shape[1], generator=generator).bfloat16()
+        act = qgemm_amx.silu_matmul(x, linear.tiled)
+        assert act.shape == (rows, gate_up.shape[0] // 2)
+        assert torch.equal(act, ops.silu_mul(qgemm_amx.matmul(x, linear.tiled)))
 
 
 @pytest.mark.skipif(qgemm_amx.load() is None, reason="no AMX CPU or no C compiler")

@@ -61,6 +61,21 @@ static inline __m512 exp16(__m512 x) {
                                                       _mm512_set1_epi32(127)), 23);
     return _mm512_maskz_mul_ps((__mmask16)~under, e, _mm512_castsi512_ps(bits));
 }
+
+static inline __m512 round_lanes(__m512 x) {  /* to bf16 (nearest even) and back */
+    return widen_bf16((__m256i)_mm512_cvtneps_pbh(x));
+}
+
+/* x sigmoid(x), sigmoid from e^-|x|: ops.c's silu_mul and qgemm_amx.c's
+   tiled_gemm_silu, the same bits. */
+static inline __m512 silu_lanes(__m512 x) {
+    __m512 minus_abs = _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000)));
+    __m512 e = exp16(minus_abs), one = _mm512_set1_ps(1.0f);
+    __mmask16 positive = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
+    return _mm512_mul_ps(x, _mm512_div_ps(_mm512_mask_blend_ps(positive, e, one),
+                                          _mm512_add_ps(one, e)));
+}
 #endif
 
 /* x[p] = e^(x[p] - max x) in place; returns their sum (the attention kernels'

@@ -32,6 +32,7 @@ typedef struct {
     Proj qkv, o, gate_up, down;
     const void *input_norm, *post_norm;
     void *k_cache, *v_cache;
+    int gate_up_silu;  /* gate_up.fn writes silu(gate) * up [rows, inter] itself */
 } Layer;
 typedef struct {
     norm_fn norm; rope_fn rope; silu_fn silu; attend_fn attend;
@@ -105,8 +106,12 @@ static void layer_rows(const Model *m, const Layer *layers, int num_layers, int 
               s->lengths + a, s->block_size, m->scale, att);
     L->o.fn(att, rows, nq, L->o.w, delta, bf16, m->hidden);
     m->norm(hr, delta, L->post_norm, x, rows, m->hidden, m->eps, bf16);
-    L->gate_up.fn(x, rows, m->hidden, L->gate_up.w, gate_up, bf16, 2 * m->inter);
-    m->silu(gate_up, act, rows, m->inter, bf16);
+    if (L->gate_up_silu) {
+        L->gate_up.fn(x, rows, m->hidden, L->gate_up.w, act, bf16, 2 * m->inter);
+    } else {
+        L->gate_up.fn(x, rows, m->hidden, L->gate_up.w, gate_up, bf16, 2 * m->inter);
+        m->silu(gate_up, act, rows, m->inter, bf16);
+    }
     L->down.fn(act, rows, m->inter, L->down.w, delta, bf16, m->hidden);
     if (l + 1 < num_layers)
         m->norm(hr, delta, layers[l + 1].input_norm, x, rows, m->hidden, m->eps, bf16);

@@ -108,15 +108,65 @@ static inline void dequantize4(const uint8_t *q, Consts c, int bits, uint16_t *d
 // Tile rows [r, r + 4) of the next group's weights, where there is one.
 #define NEXT(r) if (more) dequantize4(qn, c, bits, next, r);
 
+// Block nb's 16 outputs over every group, summed into tiles 0 to blocks - 1; at
+// the halfway group the thread claims its next unit of work into *following,
+// unless following is NULL.
+static inline __attribute__((always_inline)) void block_sums(
+        const uint16_t *x, int in_dim, int blocks, const uint8_t *q, const float *scale,
+        const float *low, int bits, int nb, uint16_t tiles[2][512], Span *spans, int *from,
+        int *following) {
+    const int groups = in_dim / 32;
+    const size_t q_bytes = bits == 4 ? 256 : 512;
+    const uint8_t *qb = q + (size_t)nb * groups * q_bytes;
+    const float *sb = scale + (size_t)nb * groups * 16;
+    const float *lb = low ? low + (size_t)nb * groups * 16 : 0;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const Consts first = consts(sb, lb);
+    for (int r = 0; r < 16; r += 4)
+        dequantize4(qb, first, bits, tiles[0], r);
+    for (int g = 0; g < groups; g++) {
+        if (following && g == groups / 2)
+            *following = span_next(spans, from);
+        const int more = g + 1 < groups;
+        uint16_t *next = tiles[(g + 1) & 1];
+        const uint8_t *qn = qb + (g + 1) * q_bytes;
+        const uint8_t *ahead = qb + (g + PREFETCH) * q_bytes;  // may pass the end
+        for (size_t line = 0; line < q_bytes; line += 64)
+            _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
+        _mm_prefetch((const char *)(sb + 16 * (g + PREFETCH)), _MM_HINT_T0);
+        if (lb)
+            _mm_prefetch((const char *)(lb + 16 * (g + PREFETCH)), _MM_HINT_T0);
+        _tile_loadd(6, tiles[g & 1], 64);
+        const Consts c = more ? consts(sb + 16 * (g + 1), lb ? lb + 16 * (g + 1) : 0) : first;
+        switch (blocks) {  // the next group's quarters between the products
+        case 4: PRODUCT(0, 4) NEXT(0) PRODUCT(1, 4) NEXT(4) PRODUCT(2, 4) NEXT(8)
+                PRODUCT(3, 5) NEXT(12) break;
+        case 3: PRODUCT(0, 4) NEXT(0) NEXT(4) PRODUCT(1, 4) NEXT(8)
+                PRODUCT(2, 5) NEXT(12) break;
+        case 2: PRODUCT(0, 4) NEXT(0) NEXT(4) PRODUCT(1, 5) NEXT(8) NEXT(12) break;
+        default: PRODUCT(0, 5) NEXT(0) NEXT(4) NEXT(8) NEXT(12)
+        }
+    }
+}
+
+// SILU (a mode beside STORE's and kernels.h's ARGMAX): the output's first half
+// is an MLP's gate, its second its up, and y [rows, out / 2] = silu(gate) * up.
+enum { SILU = 3 };
+
 // Writes row block `block` (tile `block`) of 16 outputs starting at column n0
-// (mode 1: bf16, 0: fp32), or (ARGMAX, y a Best) keeps each row's largest so far.
+// (mode 1: bf16, 0: fp32), or (ARGMAX, y a Best) keeps each row's largest so far,
+// or (SILU) writes silu(gate) * up, the gate's sums in gate[block], rounded as
+// ops.c's silu_mul rounds the two after a bf16 store.
 #define STORE(block)                                                                 \
     if (mode == 1) {                                                                 \
         _tile_stored(block, sums, 64);                                               \
         int rows_here = (block) == blocks - 1 ? last : 16;                           \
         for (int r = 0; r < rows_here; r++) {                                        \
             __m256bh v = _mm512_cvtneps_pbh(_mm512_load_ps(sums + 16 * r));          \
-            _mm256_storeu_si256((__m256i *)(y16 + (size_t)(16 * (block) + r) * out_dim + n0), \
+            _mm256_storeu_si256((__m256i *)(y16 + (size_t)(16 * (block) + r) * width + n0), \
                                 (__m256i)v);                                         \
         }                                                                            \
     } else if (mode == ARGMAX) {                                                     \
@@ -125,23 +175,35 @@ static inline void dequantize4(const uint8_t *q, Consts c, int bits, uint16_t *d
         for (int r = 0; r < rows_here; r++)                                          \
             keep_best(_mm512_load_ps(sums + 16 * r), n0,                             \
                       my_best + m0 + 16 * (block) + r, my_at + m0 + 16 * (block) + r); \
+    } else if (mode == SILU) {                                                       \
+        _tile_stored(block, sums, 64);                                               \
+        int rows_here = (block) == blocks - 1 ? last : 16;                           \
+        for (int r = 0; r < rows_here; r++) {                                        \
+            __m512 g = round_lanes(_mm512_load_ps(gate[block] + 16 * r));            \
+            __m512 u = round_lanes(_mm512_load_ps(sums + 16 * r));                   \
+            __m256bh v = _mm512_cvtneps_pbh(_mm512_mul_ps(round_lanes(silu_lanes(g)), u)); \
+            _mm256_storeu_si256((__m256i *)(y16 + (size_t)(16 * (block) + r) * width + n0), \
+                                (__m256i)v);                                         \
+        }                                                                            \
     } else {                                                                         \
-        _tile_stored(block, y32 + (size_t)16 * (block) * out_dim + n0, 4 * out_dim); \
+        _tile_stored(block, y32 + (size_t)16 * (block) * width + n0, 4 * width);    \
     }
+#define KEEP_GATE(block) _tile_stored(block, gate[block], 64);
 
 // Rows [0, rows) in passes of up to 64; `bits` 4 or 8; STORE's mode.
 static void tiles_gemm(const uint16_t *x_all, int rows, int in_dim, const uint8_t *q,
                        const float *scale, const float *low, void *y, int mode, int out_dim,
                        int bits) {
-    const int groups = in_dim / 32, num_blocks = out_dim / 16;
-    const size_t q_bytes = bits == 4 ? 256 : 512;
-    Span *spans = aligned_alloc(64, sizeof(Span) * omp_get_max_threads());  // blocks by stealing
+    const int num_blocks = out_dim / 16;
+    const int units = mode == SILU ? num_blocks / 2 : num_blocks;  // SILU: gate's and up's
+    const int width = mode == SILU ? out_dim / 2 : out_dim;  // of y
+    Span *spans = aligned_alloc(64, sizeof(Span) * omp_get_max_threads());  // units by stealing
     for (int m0 = 0; m0 < rows; m0 += 64) {
         const int here = rows - m0 < 64 ? rows - m0 : 64;
         const int blocks = (here + 15) / 16, last = here - 16 * (blocks - 1);
         const uint16_t *x = x_all + (size_t)m0 * in_dim;
-        float *y32 = mode == ARGMAX ? 0 : (float *)y + (size_t)m0 * out_dim;  // y a Best
-        uint16_t *y16 = mode == ARGMAX ? 0 : (uint16_t *)y + (size_t)m0 * out_dim;
+        float *y32 = mode == ARGMAX ? 0 : (float *)y + (size_t)m0 * width;  // y a Best
+        uint16_t *y16 = mode == ARGMAX ? 0 : (uint16_t *)y + (size_t)m0 * width;
 #pragma omp parallel
         {
             const Best *best = mode == ARGMAX ? y : 0;
@@ -151,49 +213,28 @@ static void tiles_gemm(const uint16_t *x_all, int rows, int in_dim, const uint8_
             configure(blocks, last);
             uint16_t tiles[2][512] __attribute__((aligned(64)));
             float sums[256] __attribute__((aligned(64)));
-            span_init(spans, num_blocks);
+            float gate[4][256] __attribute__((aligned(64)));
+            span_init(spans, units);
 #pragma omp barrier
-            // the next block is claimed halfway through this one: span_next's locked
+            // the next unit is claimed halfway through this one: span_next's locked
             // compare-exchange waits for every earlier store, and right after a
             // block's STOREs that is its last tile products too (engine steps
             // 0.97-0.98x the time at 64 rows and 0.97x at 32, paired in one process)
-            int from = 0, nb = span_next(spans, &from), following = -1;
-            for (; nb >= 0; nb = following) {
-                const int n0 = 16 * nb;
-                const uint8_t *qb = q + (size_t)nb * groups * q_bytes;
-                const float *sb = scale + (size_t)nb * groups * 16;
-                const float *lb = low ? low + (size_t)nb * groups * 16 : 0;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                const Consts first = consts(sb, lb);
-                for (int r = 0; r < 16; r += 4)
-                    dequantize4(qb, first, bits, tiles[0], r);
-                for (int g = 0; g < groups; g++) {
-                    if (g == groups / 2)
-                        following = span_next(spans, &from);
-                    const int more = g + 1 < groups;
-                    uint16_t *next = tiles[(g + 1) & 1];
-                    const uint8_t *qn = qb + (g + 1) * q_bytes;
-                    const uint8_t *ahead = qb + (g + PREFETCH) * q_bytes;  // may pass the end
-                    for (size_t line = 0; line < q_bytes; line += 64)
-                        _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
-                    _mm_prefetch((const char *)(sb + 16 * (g + PREFETCH)), _MM_HINT_T0);
-                    if (lb)
-                        _mm_prefetch((const char *)(lb + 16 * (g + PREFETCH)), _MM_HINT_T0);
-                    _tile_loadd(6, tiles[g & 1], 64);
-                    const Consts c = more ? consts(sb + 16 * (g + 1), lb ? lb + 16 * (g + 1) : 0)
-                                          : first;
-                    switch (blocks) {  // the next group's quarters between the products
-                    case 4: PRODUCT(0, 4) NEXT(0) PRODUCT(1, 4) NEXT(4) PRODUCT(2, 4) NEXT(8)
-                            PRODUCT(3, 5) NEXT(12) break;
-                    case 3: PRODUCT(0, 4) NEXT(0) NEXT(4) PRODUCT(1, 4) NEXT(8)
-                            PRODUCT(2, 5) NEXT(12) break;
-                    case 2: PRODUCT(0, 4) NEXT(0) NEXT(4) PRODUCT(1, 5) NEXT(8) NEXT(12) break;
-                    default: PRODUCT(0, 5) NEXT(0) NEXT(4) NEXT(8) NEXT(12)
+            int from = 0, unit = span_next(spans, &from), following = -1;
+            for (; unit >= 0; unit = following) {
+                const int n0 = 16 * unit;
+                if (mode == SILU) {  // the gate's block, kept; then the up's
+                    block_sums(x, in_dim, blocks, q, scale, low, bits, unit, tiles, spans,
+                               &from, 0);
+                    switch (blocks) {
+                    case 4: KEEP_GATE(0) KEEP_GATE(1) KEEP_GATE(2) KEEP_GATE(3) break;
+                    case 3: KEEP_GATE(0) KEEP_GATE(1) KEEP_GATE(2) break;
+                    case 2: KEEP_GATE(0) KEEP_GATE(1) break;
+                    default: KEEP_GATE(0)
                     }
                 }
+                block_sums(x, in_dim, blocks, q, scale, low, bits,
+                           mode == SILU ? unit + units : unit, tiles, spans, &from, &following);
                 switch (blocks) {
                 case 4: STORE(0) STORE(1) STORE(2) STORE(3) break;
                 case 3: STORE(0) STORE(1) STORE(2) break;
@@ -233,6 +274,17 @@ void tiled_gemm(const void *x, int rows, int in_dim, const void *w, void *y, int
                 int out_dim) {
     const tiled *t = w;
     q_gemm_amx(x, rows, in_dim, t->q, t->scale, t->low, y, y_bf16, out_dim, t->bits);
+}
+
+// tiled_gemm on an MLP's gate_up weight (gate's outputs, then up's: out of them
+// in all, a multiple of 32) into its activation, y [rows, out / 2] bf16 =
+// silu(gate) * up: the bits of ops.c's silu_mul after a bf16 tiled_gemm, without
+// writing gate_up and reading it back in a pass of its own (y_bf16 must be set).
+void tiled_gemm_silu(const void *x, int rows, int in_dim, const void *w, void *y, int y_bf16,
+                     int out_dim) {
+    const tiled *t = w;
+    (void)y_bf16;
+    tiles_gemm(x, rows, in_dim, t->q, t->scale, t->low, y, SILU, out_dim, t->bits);
 }
 
 // Dense: tiles 0-3 the sums of 2 row blocks x 2 blocks of 16 outputs, 4 and 5 the

@@ -28,6 +28,7 @@ SIGNATURES = {
     # x, rows, in, q, scale, low, out (int64), out_dim, bits
     "q_argmax_amx": [P, I32, I32, P, P, P, P, I32, I32],
     "tiled_gemm": [P, I32, I32, P, P, I32, I32],  # x, rows, in, Parts, y, y is bf16, out
+    "tiled_gemm_silu": [P, I32, I32, P, P, I32, I32],  # the same; y = silu(gate) * up
     "dense_gemm_amx": [P, I32, I32, P, P, I32, I32],  # x, rows, in, w, y, y is bf16, out
 }
 
@@ -123,6 +124,20 @@ def matmul(x: torch.Tensor, w: Tiled) -> torch.Tensor:
     load().q_gemm_amx(x.data_ptr(), rows, in_dim, w.q.data_ptr(), w.scale.data_ptr(),
                       None if w.low is None else w.low.data_ptr(), out.data_ptr(),
                       dtype == torch.bfloat16, w.out_dim, w.bits)
+    return out
+
+
+def silu_matmul(x: torch.Tensor, gate_up: Tiled) -> torch.Tensor:
+    """silu(gate) * up [rows, out / 2] bf16 of `matmul(x, gate_up)` in bf16,
+    its first half the gate and its second the up, rounded as ops.c's silu_mul
+    rounds them (layers.c's MLP on the tiles)."""
+    if gate_up.out_dim % 32:
+        raise ValueError(f"gate_up has {gate_up.out_dim} outputs; halves of 16s are needed")
+    x, _ = _rows(x, 32 * gate_up.q.shape[1])
+    rows, in_dim = x.shape
+    out = torch.empty(rows, gate_up.out_dim // 2, dtype=torch.bfloat16)
+    load().tiled_gemm_silu(x.data_ptr(), rows, in_dim, ctypes.addressof(gate_up.parts),
+                           out.data_ptr(), 1, gate_up.out_dim)
     return out
 
 
