@@ -13,7 +13,8 @@ minutes apart cannot resolve below ~10% (round Y in
 0.94-1.38x). Beside AMX's tiles a layer's gate_up makes silu itself
 (qgemm_amx.c's tiled_gemm_silu, steps of 11-64 rows), so there `--kernel silu`
 swaps silu in prefill and in steps of 10 rows or fewer, and a qgemm_amx.c
-variant's tiled_gemm_silu pairs with the engine's.
+variant's tiled_gemm_silu pairs with the engine's; `--kernel mlp --without`
+pairs that kernel against tiled_gemm with silu apart (the same answers).
 Run: .venv/bin/python bench/kernel_pairs.py --kernel attend --variant /tmp/paged_int8.c
      .venv/bin/python bench/kernel_pairs.py --kernel matmul --variant /tmp/x/qgemm_amx.c
      .venv/bin/python bench/kernel_pairs.py --kernel silu --without [--waves 6 --rows 64]
@@ -132,13 +133,32 @@ def matmul_swaps(engine: Engine, source: Path | None) -> tuple[list, object]:
     return [swap for swap in swaps if swap[3] is not None], lib
 
 
+def mlp_swaps(engine: Engine) -> list:
+    """(holder, field, the engine's, the other) taking silu out of every layer's
+    gate_up that makes it (qgemm_amx.c's tiled_gemm_silu, beside AMX's tiles)
+    back to tiled_gemm and silu's own pass: the same answers either way."""
+    tiles = qgemm_amx.load()
+    layers = [layer for _, regime in engine.model.driver.regimes for layer in regime
+              if layer.gate_up_silu]
+    if tiles is None:
+        return []
+    return [swap for layer in layers
+            for swap in ((layer.gate_up, "fn", layer.gate_up.fn, address(tiles.tiled_gemm)),
+                         (layer, "gate_up_silu", 1, 0))]
+
+
 def run(engine: Engine, tokenizer: Tokenizer, kernel: str, source: Path | None, waves: int,
         rows: int) -> list[dict]:
     """The waves, the engine's own kernels put back at the end."""
+    _lib = None
     if kernel == "matmul":
         swaps, _lib = matmul_swaps(engine, source)
         if not swaps:
             sys.exit(f"{source}: no layer projection here runs on its functions")
+    elif kernel == "mlp":
+        swaps = mlp_swaps(engine)
+        if not swaps:
+            sys.exit("no layer here makes silu in its gate_up (AMX's tiles only)")
     else:
         model = engine.model.driver.model
         other, _lib = variant_address(engine, kernel, source)
@@ -157,7 +177,7 @@ def run(engine: Engine, tokenizer: Tokenizer, kernel: str, source: Path | None, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernel", choices=("attend", "norm", "rope", "silu", "matmul"),
+    parser.add_argument("--kernel", choices=("attend", "norm", "rope", "silu", "matmul", "mlp"),
                         required=True)
     side = parser.add_mutually_exclusive_group(required=True)
     side.add_argument("--variant", type=Path, help="a C source to build and pair against")
@@ -167,6 +187,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.waves < 2:
         parser.error("--waves must be 2 or more: prefills alternate wave by wave")
+    if args.kernel == "mlp" and not args.without:
+        parser.error("--kernel mlp pairs the tiles' silu against silu apart: give --without")
     model = resolve_model(DEFAULT_MODEL)
     engine = Engine(model.path, SchedulerConfig(max_running_requests=max(64, args.rows)))
     if engine.model.driver is None:

@@ -160,13 +160,18 @@ def test_wider_steps_and_fp32_models_stay_in_python(engine, model_files):
     assert fp32.model.driver is None and Driver.build(fp32.model, fp32.attention) is None
 
 
-@pytest.mark.parametrize("kernel", ["silu", "matmul"])
+@pytest.mark.parametrize("kernel", ["silu", "matmul", "mlp"])
 def test_kernel_pairs_times_both_sides_and_puts_the_engines_kernels_back(engine, model_files,
                                                                          kernel):
     """bench/kernel_pairs.py swaps one of the driver's kernels (or every layer
-    projection's) for a no-op step by step: both sides get decode steps,
-    prefills alternate wave by wave, and afterwards the engine answers as it
-    did before (its own kernels are back)."""
+    projection's) for a no-op step by step, or (mlp, beside AMX's tiles) the
+    tiles' silu for silu apart: both sides get decode steps, prefills
+    alternate wave by wave, and afterwards the engine answers as it did
+    before (its own kernels are back)."""
+    if kernel == "mlp":
+        if not engine.kernels.amx:
+            pytest.skip("only AMX's tiles make silu in gate_up")
+        engine = make_engine(model_files, "bfloat16", max_batch_tokens=512)  # 12 rows at once
     pairs = load_bench_script("kernel_pairs")
     sampling = Sampling(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -178,7 +183,11 @@ def test_kernel_pairs_times_both_sides_and_puts_the_engines_kernels_back(engine,
         return tokens
 
     before = answer("before")
-    waves = pairs.run(engine, Tokenizer(model_files.path), kernel, None, waves=2, rows=4)
+    rows = 12 if kernel == "mlp" else 4  # the tiles' steps: 11 rows up
+    waves = pairs.run(engine, Tokenizer(model_files.path), kernel, None, waves=2, rows=rows)
     assert [wave["prefill_side"] for wave in waves] == ["engine's", "other"]
     assert all(wave["steps"]["engine's"] and wave["steps"]["other"] for wave in waves)
     assert answer("after") == before
+    if kernel == "mlp":
+        layers = [layer for _, regime in engine.model.driver.regimes for layer in regime]
+        assert any(layer.gate_up_silu for layer in layers)
