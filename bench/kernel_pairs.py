@@ -138,10 +138,10 @@ def mlp_swaps(engine: Engine) -> list:
     gate_up that makes it (qgemm_amx.c's tiled_gemm_silu, beside AMX's tiles)
     back to tiled_gemm and silu's own pass: the same answers either way."""
     tiles = qgemm_amx.load()
-    layers = [layer for _, regime in engine.model.driver.regimes for layer in regime
-              if layer.gate_up_silu]
     if tiles is None:
         return []
+    layers = [layer for _, regime in engine.model.driver.regimes for layer in regime
+              if layer.gate_up_silu]
     return [swap for layer in layers
             for swap in ((layer.gate_up, "fn", layer.gate_up.fn, address(tiles.tiled_gemm)),
                          (layer, "gate_up_silu", 1, 0))]
@@ -150,7 +150,6 @@ def mlp_swaps(engine: Engine) -> list:
 def run(engine: Engine, tokenizer: Tokenizer, kernel: str, source: Path | None, waves: int,
         rows: int) -> list[dict]:
     """The waves, the engine's own kernels put back at the end."""
-    _lib = None
     if kernel == "matmul":
         swaps, _lib = matmul_swaps(engine, source)
         if not swaps:
