@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from pipeline.errors import ConfigError
-from workers.scheduler import fused, qgemm, qgemm_amx
+from workers.scheduler import fused, qgemm, qgemm_amx, qgemm_vnni
 from workers.scheduler.calibrate import onednn_takes
 from workers.scheduler.engine import resolve_dtype, resolve_quantization
 from workers.scheduler.fused import NativeOps
@@ -293,6 +293,10 @@ def test_quantization_modes_resolve_by_device_and_dtype():
     with pytest.raises(ConfigError):
         resolve_quantization("int3", cpu, "auto")
     assert resolve_dtype("auto", cpu) in (torch.bfloat16, torch.float32)
+    if qgemm_vnni.load() is not None or qgemm_amx.load() is not None:
+        # our kernels take bf16: no timing decides (calibrate.cpu_dtype)
+        assert all(resolve_dtype("auto", cpu) == torch.bfloat16 for _ in range(3))
+    assert resolve_dtype("auto", cpu, quantized=False) in (torch.bfloat16, torch.float32)
 
 
 def test_qgemm_without_a_compiler_leaves_torchs_kernel(tmp_path):

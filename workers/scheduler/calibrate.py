@@ -34,6 +34,20 @@ def best_times(candidates: list[Callable[[], object]], reps: int = 24) -> list[f
     return best
 
 
+def cpu_dtype(quantized: bool = True, activations: str = "auto") -> torch.dtype:
+    """"auto"'s dtype on this CPU: bf16 wherever our 4- and 8-bit kernels run
+    every projection on bf16 activations (VNNI's int8 ones, AMX's tiles), so that
+    torch's dense matmul does not decide; else the faster of torch's two. (On
+    an AMD Zen 4, a startup beside a busy process timed fp32 ahead once, and
+    that tier served C=64 at 0.35x the tok/s on the fp32 kernels.)"""
+    if not cpu_has_bf16():
+        return torch.float32
+    vnni = qgemm_vnni.load() is not None and activations != "exact"
+    if quantized and (vnni or qgemm_amx.load() is not None):
+        return torch.bfloat16
+    return faster_cpu_dtype()
+
+
 def faster_cpu_dtype() -> torch.dtype:
     """bf16 where its matmul is clearly (10%) faster than fp32's."""
     x, w = torch.randn(64, 576), torch.randn(576, 1536)

@@ -24,7 +24,7 @@ from workers.scheduler.attention import (
 )
 from workers.scheduler.batcher import Batcher, StepPlan
 from workers.scheduler.blocks import BlockAllocator
-from workers.scheduler.calibrate import choose_kernels, cpu_has_bf16, faster_cpu_dtype
+from workers.scheduler.calibrate import choose_kernels, cpu_dtype
 from workers.scheduler.cuda_graphs import DecodeGraphs
 from workers.scheduler.layers import Driver
 from workers.scheduler.model import LlamaModel, read_spec
@@ -72,11 +72,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, quantized: bool = True,
+                  activations: str = "auto") -> torch.dtype:
+    """`quantized`, `activations`: whether the 4-bit path may run, and on int8
+    activations (calibrate.cpu_dtype)."""
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return faster_cpu_dtype() if cpu_has_bf16() else torch.float32
+        return cpu_dtype(quantized, activations)
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
     if name not in dtypes:
         raise ConfigError(f"unknown dtype {name!r}: one of auto, {', '.join(dtypes)}")
@@ -117,11 +120,12 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        spec = read_spec(Path(model_path))
         # an explicit float32 keeps fp32 activations unless int8 is asked for by name
         activations = ("exact" if config.dtype == "float32" and config.activations == "auto"
                        else config.activations)
+        self.dtype = resolve_dtype(config.dtype, self.device, config.quantization != "none",
+                                   activations)
+        spec = read_spec(Path(model_path))
         self.kernels = choose_kernels(self.device, self.dtype, spec,
                                       config.quantization != "none", activations)
         self.quantization = resolve_quantization(config.quantization, self.device, config.dtype,
