@@ -67,45 +67,17 @@ def blocks(weight: torch.Tensor, bits: int, fine: bool, on: str) -> qgemm_vnni.B
     return packed
 
 
-def on_levels(values: torch.Tensor, top: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 values as the kernels round them, along the last dim: round(v * (top /
-    max|v|)) levels (ties to even) of step max|v| / top, both fp32."""
-    amax = values.abs().amax(-1, keepdim=True)
+def int8_groups(x: torch.Tensor, top: float = 127.0) -> torch.Tensor:
+    """x rounded as the kernel rounds it: per row and group of 32, to
+    round(x * (top / max|x|)) levels of max|x| / top (fp32 steps, ties to even);
+    top 127 for int8, 127 * 128 for the fine kernels."""
+    rows, in_dim = x.shape
+    groups = x.float().reshape(rows, in_dim // 32, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
     # tensor / tensor: correctly rounded (127.0 / tensor may be off by an ulp)
     inverse = torch.where(amax > 0, torch.full_like(amax, top) / amax, torch.zeros_like(amax))
-    return torch.round(values * inverse), amax / top
-
-
-def int8_groups(x: torch.Tensor, top: float = 127.0) -> torch.Tensor:
-    """x rounded as the kernel rounds it: per row and group of 32, to levels
-    (on_levels) of max|x| / top; top 127 for int8, 127 * 128 for the fine kernels."""
-    rows, in_dim = x.shape
-    levels, step = on_levels(x.float().reshape(rows, in_dim // 32, 32), top)
-    return (levels.double() * step.double()).reshape(rows, in_dim)
-
-
-def kernel_answer(x: torch.Tensor, weight: torch.Tensor, bits: int, on: str,
-                  top: float = 127.0) -> torch.Tensor:
-    """In fp64, what a kernel sums (its fp32 rounding of the sums aside): x as
-    int8_groups rounds it, times the checkpoint's weight; but 4-bit on VNNI
-    takes each group's low times its sum of x apart (qgemm_vnni.c): the lows
-    as int16 levels of a step per output, and in the int8 kernels (top 127)
-    the fp32 group sums of a row as levels of their own."""
-    if bits == 8 or on == "avx2":
-        return int8_groups(x, top) @ weight.double().t()
-    levels, scales_zeros, _ = quantize_int4(weight)
-    scale, low = scales_zeros[..., 0].t(), scales_zeros[..., 1].t() - 8 * scales_zeros[..., 0].t()
-    rows, in_dim = x.shape
-    by_group = levels.double().reshape(-1, in_dim // 32, 32)
-    main = (by_group * scale.half().double()[..., None]).reshape(-1, in_dim)
-    x_levels, x_step = on_levels(x.float().reshape(rows, in_dim // 32, 32), top)
-    sums = x_step.squeeze(-1) * x_levels.sum(-1)  # fp32, as the kernel keeps them
-    if top == 127.0:
-        sum_levels, sum_step = on_levels(sums, qgemm_vnni.SUM_LEVELS)
-        sums = sum_levels * sum_step
-    low_step, low_levels = qgemm_vnni.low_steps(low)
-    lows = low_levels.double() * low_step.double()[:, None]
-    return int8_groups(x, top) @ main.t() + sums.double() @ lows.t()
+    levels = torch.round(groups * inverse)
+    return (levels.double() * (amax / top).double()).reshape(rows, in_dim)
 
 
 def relative_error(mine: torch.Tensor, theirs: torch.Tensor) -> float:
@@ -126,13 +98,9 @@ def test_kernels_sum_int8_activations_exactly(checkpoint, on):
             out = qgemm_vnni.matmul(x.float(), packed)
             assert out.shape == (rows, weight.shape[0]) and out.dtype == torch.float32
             # integer dots are exact; what is left is fp32 rounding of the scaled sums
-            assert relative_error(out, kernel_answer(x, weight, bits, on)) < 1e-5
-            # int8 activations move the answer by ~0.5% from the exact one; the
-            # int16 levels of the lows and sums (4-bit on VNNI) by a tenth of that
-            int8_error = relative_error(int8_groups(x) @ exact, x.double() @ exact)
+            assert relative_error(out, int8_groups(x) @ exact) < 1e-5
+            # int8 activations move the answer by ~0.5% from the exact one
             assert relative_error(out, x.double() @ exact) < 2e-2
-            assert relative_error(kernel_answer(x, weight, bits, on),
-                                  int8_groups(x) @ exact) < int8_error / 10
             rounded = qgemm_vnni.matmul(x, packed)  # bf16 in, bf16 out
             assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, out.bfloat16())
 
@@ -159,27 +127,6 @@ def test_the_largest_dots_stay_exact(on):
         weight = levels.double()
         out = qgemm_vnni.matmul(x.float(), packed).double()
         assert torch.equal(out, x.double() @ weight.t())
-
-
-def test_the_lows_and_sums_largest_levels_add_up_without_overflow():
-    """4-bit on VNNI, every low and every group sum of x at its largest level
-    (qgemm_vnni.c: int32 sums of 16 pairs' products, then fp32), over an odd
-    number of groups past two chunks: the kernel's own answer, of either sign."""
-    if qgemm_vnni.load() is None:
-        pytest.skip("no vnni build here")
-    out_dim, groups, rows = 32, 67, 3
-    generator = torch.Generator().manual_seed(2)
-    levels = torch.randint(0, 16, (out_dim, groups, 32), generator=generator)
-    levels[..., 0], levels[..., 1] = 0, 15  # quantize_int4 finds these levels again
-    weight = (levels * 0.0625 - 1.0).reshape(out_dim, groups * 32)  # every low -1
-    signs = torch.ones(rows, groups, 32)
-    signs[1] = -1.0
-    signs[2, 1::2] = -1.0  # odd groups' sums negative
-    x = (0.5 * signs).reshape(rows, -1).bfloat16()
-    packed = blocks(weight, 4, False, "vnni")
-    out = qgemm_vnni.matmul(x.float(), packed)
-    assert relative_error(out, kernel_answer(x, weight, 4, "vnni")) < 1e-6
-    assert relative_error(out, x.double() @ weight.double().t()) < 1e-3
 
 
 @contextmanager
@@ -276,7 +223,7 @@ def test_fine_kernels_sum_14_bit_activations_exactly(checkpoint, on):
             x[0, :32] = 0.0
             x[-1, 32:64] *= 1000.0  # a group with one large scale among small ones
             out = qgemm_vnni.matmul(x.float(), packed)
-            assert relative_error(out, kernel_answer(x, weight, bits, on, 127.0 * 128)) < 1e-5
+            assert relative_error(out, int8_groups(x, 127.0 * 128) @ exact) < 1e-5
             fine_error = relative_error(out, x.double() @ exact)
             assert fine_error < 1e-3
             assert fine_error < relative_error(int8_groups(x) @ exact, x.double() @ exact) / 20

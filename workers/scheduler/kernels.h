@@ -239,10 +239,6 @@ static inline int span_next(Span *spans, int *from) {
     return -1;
 }
 
-/* Floats a row of x keeps beside its int8 levels, for G groups: each group's
-   scale and sum (the file's `quantize` lays them out). */
-static inline int64_t xs_row(int G) { return 2 * (int64_t)G + 2; }
-
 /* The four exported int8-activation matmuls of a file (qgemm_vnni.c with SUFFIX
    vnni and x uint16_t, qgemm_avx2.c with avx2 and void): q4 and q8, plain and
    fine. Each quantizes x into its own buffers (the file's `quantize`, a row a
@@ -257,7 +253,7 @@ static inline int64_t xs_row(int G) { return 2 * (int64_t)G + 2; }
 void NAME(const X *x, int M, int K, const uint8_t *w, void *y, int bf16, int N) {          \
     const int stride = (FINE ? 2 : 1) * K, G = K / GROUP;                                  \
     int8_t *q = malloc((size_t)M * stride);                                                \
-    float *xs = malloc(sizeof(float) * (size_t)M * xs_row(G));                             \
+    float *xs = malloc(sizeof(float) * 2 * (size_t)M * G);                                 \
     Span *spans = aligned_alloc(64, sizeof(Span) * omp_get_max_threads());                 \
     _Pragma("omp parallel")                                                                \
     {                                                                                      \
@@ -265,7 +261,7 @@ void NAME(const X *x, int M, int K, const uint8_t *w, void *y, int bf16, int N) 
         /* its barrier: every span is set, every row quantized */                          \
         _Pragma("omp for schedule(static)")                                                \
         for (int m = 0; m < M; m++)                                                        \
-            quantize(x, m, K, bf16, q + (int64_t)m * stride, xs + m * xs_row(G), BITS, FINE); \
+            quantize(x, m, K, bf16, q + (int64_t)m * stride, xs + (int64_t)m * 2 * G, BITS, FINE); \
         for (int from = 0, b; (b = span_next(spans, &from)) >= 0;)                         \
             column(q, xs, M, K, w, y, bf16, N, b * LANES, BITS, FINE);                     \
     }                                                                                      \

@@ -151,7 +151,7 @@ static inline __attribute__((always_inline)) void tile(
             if (FINE)
                 d = _mm256_add_epi32(_mm256_slli_epi32(d, 7),
                                      dot(levels, signs, qx + K / 4, BITS));
-            const float *s = xs + (m + r) * xs_row(G) + 2 * g;
+            const float *s = xs + ((int64_t)(m + r) * G + g) * 2;
             __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(d), scale);
             acc[r] = _mm256_fmadd_ps(scaled, _mm256_set1_ps(s[0]), acc[r]);
             if (BITS == 4)

@@ -13,21 +13,8 @@
    - The weight is blocked by 16 outputs (one zmm lane each, 4 inputs a lane):
      for every 16 outputs and group, the levels (4-bit: 4 x 64 bytes, inputs
      4j..4j+3 in the low nibbles of part j and 16+4j.. in the high; 8-bit: 8 x
-     64 bytes), then 16 fp16 scales (a GGUF's own fp16 d: exact; 0.85x the
-     time of fp32 ones at 1 row, where weights stream) and 16 lows: 8-bit
-     fp16 (unused), 4-bit int16 levels of a step per output, 16 fp32 steps in
-     a head of 64 bytes before the block's groups.
-   - 4-bit lows: sum_g low sx sum qx is a small matmul of its own, [rows, G] by
-     [G, 16] a block, in integers: the lows as int16 levels (step max |low| /
-     LOW_LEVELS), each row's group sums sx sum qx as levels of another (max /
-     SUM_LEVELS), two groups a vpdpwssd, once the block's groups are in L1.
-     Its FMA a row and group was 1 of 11 instructions on the pipes the dots
-     use (64-row decode steps took 0.936x the time without it, AMD Zen 4).
-     The lows move by at most 1/32766 of an output's largest, the sums by
-     1/8190 of their row's largest: on the model's own activations the
-     answer's distance from the exact one moved from 6.00e-3 to 6.01e-3 at
-     most. The fine kernels keep an FMA a group, of the exact sum and the low
-     from its level.
+     64 bytes), then 16 fp16 scales and 16 fp16 lows (a GGUF's own fp16 d and
+     m: exact; 0.85x the time of fp32 ones at 1 row, where weights stream).
    One weight block serves R rows from L1; y is fp32, or bf16 (nearest even), or
    for the lm_head of greedy sampling only each row's largest output is kept.
    The fine variant (*_vnni_fine) rounds x to 14 bits instead, sx = max |x| /
@@ -60,18 +47,7 @@ static inline int max_rows(int bits, int fine) { return bits == 8 && !fine ? ROW
 #define PREFETCH 4096  /* bytes ahead of the block in use (1024-4096: within 5%) */
 #endif
 
-/* 4-bit lows' and row sums' int16 levels; at most SUM_CHUNK pairs of groups'
-   products add up in int32 (32 x 16383 x 4095 < 2^31), then in fp32. */
-enum { LOW_LEVELS = 16383, SUM_LEVELS = 4095, SUM_CHUNK = 16 };
-
-static inline int pairs_of(int G) { return (G + 1) / 2; }
-/* A group's bytes: levels, then 16 fp16 scales and 16 lows (8-bit fp16, 4-bit
-   int16 levels); before them a 4-bit block has a head of 16 fp32 low steps. */
-static inline int group_bytes(int bits) { return (bits == 4 ? 256 : 512) + 2 * 32; }
-static inline int head_bytes(int bits) { return bits == 4 ? 64 : 0; }
-static inline int64_t block_bytes(int bits, int G) {
-    return head_bytes(bits) + (int64_t)G * group_bytes(bits);
-}
+static inline int block_bytes(int bits) { return (bits == 4 ? 256 : 512) + 2 * 32; }
 
 /* acc += levels . the 4 int8 of x at *at, broadcast to every lane, read by
    vpdpbusd itself ({1to16}): GCC loads it into a register first, and the
@@ -79,30 +55,8 @@ static inline int64_t block_bytes(int bits, int G) {
 #define DOT4(acc, levels, at) \
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(levels), "m"(*(at)))
 
-/* A row's group sums a[0..G) (sx sum q) as int16 levels of one step, in place:
-   level g at the int16 a + g bytes 2g.. (so group 2p in the low half of the int32
-   at a[p], 0 past an odd G's last), the step at a[(G + 1) / 2]. */
-static inline void sum_levels(float *a, int G) {
-    __m512 top = _mm512_setzero_ps();
-    for (int g = 0; g < G; g += 16)
-        top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(first_lanes(G - g), a + g)));
-    const float amax = _mm512_reduce_max_ps(top);
-    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? (float)SUM_LEVELS / amax : 0.0f);
-    int16_t *levels = (int16_t *)a;  /* each 16 written below the next 16 read */
-    for (int g = 0; g < G; g += 16) {
-        const __mmask16 lanes = first_lanes(G - g);
-        __m512i level = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, a + g), inv));
-        _mm256_mask_storeu_epi16(levels + g, lanes, _mm512_cvtepi32_epi16(level));
-    }
-    if (G % 2)
-        levels[G] = 0;
-    a[pairs_of(G)] = amax / (float)SUM_LEVELS;
-}
-
-/* Row m's groups: int8 levels into q, and into scales (xs_row(G) floats):
-   8-bit weights sx and their dot's int32 start (MAGIC_BITS but in FINE, less
-   128 sum q: the low's share) in a float's bits at [2 g], [2 g + 1]; 4-bit sx
-   at [g], then from [G] the sums sx sum q (FINE) or their levels (sum_levels).
+/* Row m's groups: int8 levels into q, sx and sx * sum q into scales[2 g], [2 g + 1]
+   (8-bit weights: the int32 -128 sum q in the bits of [2 g + 1]).
    FINE: 14-bit levels as q[k] * 128 + q[K + k]. */
 static inline __attribute__((always_inline)) void quantize_row(
         const uint16_t *x, int K, int8_t *q, float *scales, const int BITS, const int FINE) {
@@ -128,52 +82,13 @@ static inline __attribute__((always_inline)) void quantize_row(
         }
         _mm_storeu_si128((__m128i *)(q + g * GROUP), _mm512_cvtsepi32_epi8(qlo));
         _mm_storeu_si128((__m128i *)(q + g * GROUP + 16), _mm512_cvtsepi32_epi8(qhi));
+        scales[2 * g] = sx;
         if (BITS == 8) {
             int32_t start = (MAGIC && !FINE ? MAGIC_BITS : 0) - 128 * sum;
-            scales[2 * g] = sx;
             memcpy(scales + 2 * g + 1, &start, 4);
         } else {
-            scales[g] = sx;
-            scales[K / GROUP + g] = sx * (float)sum;
+            scales[2 * g + 1] = sx * (float)sum;
         }
-    }
-    if (BITS == 4 && !FINE)
-        sum_levels(scales + K / GROUP, K / GROUP);
-}
-
-/* acc[r] += sum_g low sx sum qx for R rows from m (4-bit), the block's lows
-   (int16 levels, after each group's scales) a pair of groups at a time. */
-static inline __attribute__((always_inline)) void add_low_terms(
-        __m512 *acc, const uint8_t *head, const float *xs, int G, int m, const int R) {
-    const uint8_t *lows = head + head_bytes(4) + 256 + 32;  /* group 0's */
-    const int64_t row = xs_row(G), block = group_bytes(4);
-    /* words 0-15 of group 2p's lows and 16-31 of 2p + 1's: lane i their i-th */
-    const __m512i interleave = _mm512_set_epi16(
-        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512 step = _mm512_loadu_ps((const float *)head);
-    for (int p0 = 0; p0 < pairs_of(G); p0 += SUM_CHUNK) {
-        const int end = p0 + SUM_CHUNK < pairs_of(G) ? p0 + SUM_CHUNK : pairs_of(G);
-        __m512i t[ROWS];
-        #pragma GCC unroll 16
-        for (int r = 0; r < R; r++) t[r] = _mm512_setzero_si512();
-        for (int p = p0; p < end; p++) {
-            const __m256i even = _mm256_loadu_si256((const __m256i *)(lows + 2 * p * block));
-            const __m256i odd = 2 * p + 1 < G
-                ? _mm256_loadu_si256((const __m256i *)(lows + (2 * p + 1) * block))
-                : _mm256_setzero_si256();
-            const __m512i low = _mm512_permutexvar_epi16(
-                interleave, _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1));
-            #pragma GCC unroll 16
-            for (int r = 0; r < R; r++) {
-                const int32_t *sums = (const int32_t *)(xs + (m + r) * row + G);
-                t[r] = _mm512_dpwssd_epi32(t[r], low, _mm512_set1_epi32(sums[p]));
-            }
-        }
-        #pragma GCC unroll 16
-        for (int r = 0; r < R; r++)
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[r]), _mm512_mul_ps(step, _mm512_set1_ps(
-                xs[(m + r) * row + G + pairs_of(G)])), acc[r]);
     }
 }
 
@@ -181,15 +96,12 @@ static inline __attribute__((always_inline)) void add_low_terms(
 static inline __attribute__((always_inline)) void tile(
         const int8_t *q, const float *xs, int K, const uint8_t *w, void *y, int bf16_out,
         int N, int n, int m, const int R, const int BITS, const int FINE) {
-    const int G = K / GROUP, block = group_bytes(BITS), stride = FINE ? 2 * K : K;
-    const uint8_t *head = w;
-    w += head_bytes(BITS);
+    const int G = K / GROUP, block = block_bytes(BITS), stride = FINE ? 2 * K : K;
     __m512 acc[ROWS];
     #pragma GCC unroll 16
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++, w += block) {
-        /* 5 or 9 lines; the group first also the line a 4-bit head takes */
-        for (int at = g ? 0 : -head_bytes(BITS); at < block; at += 64)
+        for (int at = 0; at < block; at += 64)  /* 5 or 9 lines */
             _mm_prefetch((const char *)w + PREFETCH + at, _MM_HINT_T0);
         __m512i levels[8];
         if (BITS == 4) {
@@ -207,16 +119,12 @@ static inline __attribute__((always_inline)) void tile(
         const __m256i *per = (const __m256i *)(w + (BITS == 4 ? 256 : 512));
         __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(per));
         const __m512 unmagic = _mm512_mul_ps(scale, _mm512_set1_ps(-MAGIC_FLOAT));
-        __m512 low = _mm512_setzero_ps();
-        if (BITS == 4 && FINE)  /* its own group's low, in fp32, times the exact sum */
-            low = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
-                                    _mm256_loadu_si256(per + 1))),
-                                _mm512_loadu_ps((const float *)head));
+        __m512 low = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256(per + 1))
+                               : _mm512_setzero_ps();  /* 8-bit: folded into the dot */
         #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
             const int32_t *qx = (const int32_t *)(q + (int64_t)(m + r) * stride + g * GROUP);
-            /* 8-bit: sx, start at s[0], s[1]; 4-bit: sx at s[0] */
-            const float *s = xs + (m + r) * xs_row(G) + (BITS == 8 ? 2 * g : g);
+            const float *s = xs + ((int64_t)(m + r) * G + g) * 2;
             /* 8-bit: MAGIC_BITS - 128 sum q (the low's share) in the bits of s[1] */
             const __m512i start = BITS == 8 ? _mm512_castps_si512(_mm512_set1_ps(s[1]))
                                             : _mm512_set1_epi32(MAGIC && !FINE ? MAGIC_BITS : 0);
@@ -235,12 +143,10 @@ static inline __attribute__((always_inline)) void tile(
                 ? _mm512_fmadd_ps(_mm512_castsi512_ps(dot), scale, unmagic)
                 : _mm512_mul_ps(_mm512_cvtepi32_ps(dot), scale);
             acc[r] = _mm512_fmadd_ps(scaled, _mm512_set1_ps(s[0]), acc[r]);
-            if (BITS == 4 && FINE)
-                acc[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(s[G]), acc[r]);
+            if (BITS == 4)
+                acc[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(s[1]), acc[r]);
         }
     }
-    if (BITS == 4 && !FINE)
-        add_low_terms(acc, head, xs, G, m, R);
     if (bf16_out == ARGMAX) {  /* y a Best (kernels.h): this thread's rows */
         const Best *b = y;
         const int64_t mine = (int64_t)omp_get_thread_num() * b->rows + m;
@@ -260,14 +166,14 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
-#define T(R) tile(q, xs, K, w + (int64_t)(n / LANES) * block_bytes(BITS, G), y, bf16_out, N, \
-                  n, m, R, BITS, FINE)
+#define T(R) tile(q, xs, K, w + (int64_t)(n / LANES) * G * block, y, bf16_out, N, n, m, R, \
+                  BITS, FINE)
 
 /* Outputs n..n+15 of every row. */
 static inline __attribute__((always_inline)) void column(
         const int8_t *q, const float *xs, int M, int K, const uint8_t *w, void *y, int bf16_out,
         int N, int n, const int BITS, const int FINE) {
-    const int G = K / GROUP, most = max_rows(BITS, FINE);
+    const int G = K / GROUP, block = block_bytes(BITS), most = max_rows(BITS, FINE);
     /* rows in blocks of near-equal size (16 at 12 rows most: 8 + 8, not 12 + 4) */
     for (int m = 0, rows; m < M; m += rows) {
         int blocks = (M - m + most - 1) / most;

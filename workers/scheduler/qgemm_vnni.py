@@ -31,19 +31,12 @@ NEEDS = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf1
 LANES = 16  # outputs per block: one zmm lane each
 
 
-# a 4-bit weight's lows on the VNNI kernels, and the int8 kernels' group sums of x:
-# int16 levels (qgemm_vnni.c)
-LOW_LEVELS, SUM_LEVELS = 16383, 4095
-
-
 @dataclass(frozen=True)
 class Blocked:
-    """One weight in its kernel's layout (qgemm_vnni.c): [out / 16, groups,
+    """One weight in the kernel's layout (qgemm_vnni.c): [out / 16, groups,
     block] bytes, a block the 16 outputs' levels for a group, then their fp16
-    scales (exact for a GGUF, whose are fp16; else rounded, 2^-11 of a scale
-    at most) and lows, fp16 like the scales but 4-bit on VNNI: int16 levels of
-    a step per output, the steps in a head before the groups ([out / 16,
-    bytes] then)."""
+    scales and lows (exact for a GGUF, whose are fp16; else rounded, 2^-11 of
+    a scale at most)."""
     bits: int
     q: torch.Tensor
     out_dim: int
@@ -73,27 +66,8 @@ def pack_q4(levels: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
     `on`: "vnni" or "avx2" (else this CPU's library())."""
     parts = _lanes(levels.to(torch.uint8))
     q = (parts[:, :, :4] | (parts[:, :, 4:] << 4)).flatten(2)
-    suffix = library()[1] if on is None else on
-    if suffix == "avx2":  # lows in fp16, like the scales
-        return _bound(4, torch.cat([q, _per_block(scale), _per_block(low)], dim=-1),
-                      levels.shape[0], fine, on)
-    step, low_levels = low_steps(low)
-    lows = low_levels.reshape(-1, LANES, low.shape[1]).transpose(1, 2).contiguous()
-    groups = torch.cat([q, _per_block(scale), lows.view(torch.uint8)], dim=-1)
-    head = step.reshape(-1, LANES).contiguous().view(torch.uint8)
-    return _bound(4, torch.cat([head, groups.flatten(1)], dim=-1), levels.shape[0], fine, on)
-
-
-def low_steps(low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A 4-bit weight's lows [out, groups] as the VNNI kernels take them: each
-    output's step (fp32, max |low| / LOW_LEVELS) and int16 levels of it, so low
-    ~ step * level (the GGUF's fp16 lows first)."""
-    low = low.half().float()
-    amax = low.abs().amax(1, keepdim=True)
-    step = amax / LOW_LEVELS
-    inverse = torch.where(amax > 0, torch.full_like(amax, LOW_LEVELS) / amax,
-                          torch.zeros_like(amax))
-    return step.squeeze(1), torch.round(low * inverse).to(torch.int16)
+    return _bound(4, torch.cat([q, _per_block(scale), _per_block(low)], dim=-1),
+                  levels.shape[0], fine, on)
 
 
 def pack_q8(levels: torch.Tensor, scale: torch.Tensor, fine: bool = False,
