@@ -20,7 +20,10 @@ Run: .venv/bin/python bench/kernel_pairs.py --kernel attend --variant /tmp/paged
      .venv/bin/python bench/kernel_pairs.py --kernel silu --without [--waves 6 --rows 64]
 A variant file is compiled as the engine compiles its own source (same flags;
 it includes the headers beside it, so keep it in workers/scheduler/ or copy
-kernels.h next to it)."""
+kernels.h next to it). A matmul variant runs on the engine's packed weights:
+one that lays its weights out otherwise reads them wrongly, and its timing
+misleads too (round AB in bench/HISTORY.md: 1.011x read so, 1.017x on copies
+in its own layout)."""
 
 from __future__ import annotations
 
