@@ -17,27 +17,31 @@ from pathlib import Path
 from serving_bench import (  # beside this script: bench/ is first on the path
     ROOT,
     bench_options,
+    describe,
     free_port,
     make_setup,
     start_server,
     stop_server,
+    tier_kernels,
 )
 
 from pipeline.bench import run_bench
 
 
 def served_tok_s(root: Path, concurrency: int, num_requests: int, seed: int,
-                 log_path: Path) -> float:
-    """One `pipeline serve` from `root`: a warm-up bench, then the timed one."""
+                 log_path: Path) -> tuple[float, dict]:
+    """One `pipeline serve` from `root`: a warm-up bench, then the timed one; and
+    the kernels its scheduler chose (serving_bench.tier_kernels)."""
     port = free_port()
     proc = start_server(port, log_path, make_setup("cpu"), root=root)
+    kernels = tier_kernels(log_path.read_text())
     try:
         url = f"http://127.0.0.1:{port}"
         run_bench(bench_options(url, concurrency, concurrency, seed + 10_000))  # warm-up
         summary = run_bench(bench_options(url, concurrency, num_requests, seed))
         if summary["failed"]:
             raise RuntimeError(f"{summary['failed']} requests failed; see {log_path}")
-        return summary["output_throughput"]
+        return summary["output_throughput"], kernels
     finally:
         stop_server(proc)
 
@@ -57,12 +61,16 @@ def main() -> None:
             ratios = []
             for pair in range(args.pairs):
                 sides = [("head", ROOT), ("base", base)][::1 if pair % 2 == 0 else -1]
-                tok_s = {name: served_tok_s(root, args.concurrency, args.num_requests, pair,
-                                            Path(scratch) / f"{name}{pair}.log")
-                         for name, root in sides}
+                runs = {name: served_tok_s(root, args.concurrency, args.num_requests, pair,
+                                           Path(scratch) / f"{name}{pair}.log")
+                        for name, root in sides}
+                tok_s = {name: run[0] for name, run in runs.items()}
                 ratios.append(tok_s["head"] / tok_s["base"])
                 print(f"pair {pair + 1}: head {tok_s['head']:.1f} tok/s, base "
                       f"{tok_s['base']:.1f} ({ratios[-1]:.3f}x)", flush=True)
+                if runs["head"][1] != runs["base"][1]:  # a pair on different kernels misleads
+                    print(f"  the two ran on different kernels: head {describe(runs['head'][1])}; "
+                          f"base {describe(runs['base'][1])}", flush=True)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
                             str(base)], check=False, capture_output=True)

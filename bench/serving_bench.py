@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import platform
+import re
 import signal
 import socket
 import statistics
@@ -29,6 +30,7 @@ import httpx
 
 from pipeline.bench import BenchOptions, make_prompts, run_bench
 from pipeline.models import DEFAULT_MODEL, resolve_model
+from pipeline.status import live_workers
 
 LEVELS = {1: 8, 16: 32, 64: 64}  # concurrency or batch size -> requests at that level
 # a GPU serves ~10x the CPU's tokens: more requests a level and a level of 256, but few at 1,
@@ -110,6 +112,32 @@ def start_server(port: int, log_path: Path, setup: Setup, deadline_s: float = 60
         stop_server(proc)
         raise RuntimeError("pipeline serve printed its serving line but /health is not 200")
     return proc
+
+
+# what a scheduler says it runs on (its liveness key, as `pipeline status` shows it)
+KERNEL_FIELDS = ("dtype", "4bit_matmul", "activations", "dense_matmul", "attention",
+                 "kv_cache_dtype")
+
+
+def tier_kernels(serve_output: str, wait_s: float = 10.0) -> dict:
+    """The kernels the scheduler of a `pipeline serve` chose, found through the
+    Redis URL its "serving" line names: the engine times some choices at
+    startup, and a tier started beside a busy process once served C=64 at 0.35x
+    on fp32 kernels (round AB in bench/HISTORY.md). Empty if none answers."""
+    match = re.search(r"\(Redis: (\S+)\)", serve_output)
+    deadline = time.monotonic() + wait_s
+    while match is not None:
+        for worker in live_workers(match.group(1), "pipeline"):
+            if worker.get("role") == "scheduler":
+                return {key: worker[key] for key in KERNEL_FIELDS if key in worker}
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    return {}
+
+
+def describe(kernels: dict) -> str:
+    return ", ".join(f"{key} {value}" for key, value in kernels.items()) or "unknown"
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -320,6 +348,7 @@ def markdown(record: dict) -> str:
     if settings["server_env"]:
         lines.append("Our server's settings: " + ", ".join(
             f"{key}={value}" for key, value in settings["server_env"].items()) + ".")
+    lines.append(f"Our scheduler ran on: {describe(record.get('ours_kernels', {}))}.")
     lines.append("")
     return "\n".join(lines)
 
@@ -368,7 +397,10 @@ def main() -> None:
         for size in (2, *setup.levels) if setup.device == "cuda" else (2,):
             generate_batch(*models[dtype], make_prompts(size, PROMPT_WORDS, SEED + 99))
     port = free_port()
-    proc = start_server(port, Path(tempfile.gettempdir()) / "serving-bench-server.log", setup)
+    log_path = Path(tempfile.gettempdir()) / "serving-bench-server.log"
+    proc = start_server(port, log_path, setup)
+    kernels = tier_kernels(log_path.read_text())
+    print(f"our scheduler runs on: {describe(kernels)}", flush=True)
     base_url = f"http://127.0.0.1:{port}"
     ours: dict[int, list[dict]] = {level: [] for level in setup.levels}
     theirs: dict[int, list[dict]] = {level: [] for level in setup.levels}
@@ -383,7 +415,7 @@ def main() -> None:
                     {dtype: models[dtype] for dtype in dtypes}, level, num_requests, round_))
     finally:
         stop_server(proc)
-    record = build_record(setup, ours, theirs)
+    record = build_record(setup, ours, theirs) | {"ours_kernels": kernels}
     name = setup.results_name
     (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=2))
     (RESULTS / f"{name}.md").write_text(markdown(record))

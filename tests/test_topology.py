@@ -13,7 +13,7 @@ import uuid
 import httpx
 import psutil
 
-from tests.harness import Tier, free_port, worker_env
+from tests.harness import Tier, free_port, load_bench_script, worker_env
 
 
 async def _ask(client: httpx.AsyncClient, base_url: str, i: int) -> tuple[str, str, dict]:
@@ -68,6 +68,9 @@ def test_pipeline_serve_answers_on_embedded_redis_and_leaves_nothing_on_sigterm(
     try:
         line = proc.stdout.readline()  # printed once every role is up
         assert f"127.0.0.1:{port}" in line, (tmp_path / "serve.log").read_text()
+        # the benches read what the scheduler chose through the Redis the line names
+        kernels = load_bench_script("serving_bench").tier_kernels(line)
+        assert kernels["dtype"] == "float32" and "4bit_matmul" in kernels
         tree = _tree(proc.pid)
         assert len(tree) >= 5  # serve, redis, api, scheduler, detokenizer
         body = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
