@@ -34,8 +34,8 @@ def served_tok_s(root: Path, concurrency: int, num_requests: int, seed: int,
     the kernels its scheduler chose (serving_bench.tier_kernels)."""
     port = free_port()
     proc = start_server(port, log_path, make_setup("cpu"), root=root)
-    kernels = tier_kernels(log_path.read_text())
     try:
+        kernels = tier_kernels(log_path.read_text())
         url = f"http://127.0.0.1:{port}"
         run_bench(bench_options(url, concurrency, concurrency, seed + 10_000))  # warm-up
         summary = run_bench(bench_options(url, concurrency, num_requests, seed))

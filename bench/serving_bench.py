@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
+import redis
 
 from pipeline.bench import BenchOptions, make_prompts, run_bench
 from pipeline.models import DEFAULT_MODEL, resolve_model
@@ -127,7 +128,11 @@ def tier_kernels(serve_output: str, wait_s: float = 10.0) -> dict:
     match = re.search(r"\(Redis: (\S+)\)", serve_output)
     deadline = time.monotonic() + wait_s
     while match is not None:
-        for worker in live_workers(match.group(1), "pipeline"):
+        try:
+            workers = live_workers(match.group(1), "pipeline")
+        except redis.RedisError:
+            workers = []
+        for worker in workers:
             if worker.get("role") == "scheduler":
                 return {key: worker[key] for key in KERNEL_FIELDS if key in worker}
         if time.monotonic() > deadline:
@@ -399,12 +404,12 @@ def main() -> None:
     port = free_port()
     log_path = Path(tempfile.gettempdir()) / "serving-bench-server.log"
     proc = start_server(port, log_path, setup)
-    kernels = tier_kernels(log_path.read_text())
-    print(f"our scheduler runs on: {describe(kernels)}", flush=True)
     base_url = f"http://127.0.0.1:{port}"
     ours: dict[int, list[dict]] = {level: [] for level in setup.levels}
     theirs: dict[int, list[dict]] = {level: [] for level in setup.levels}
     try:
+        kernels = tier_kernels(log_path.read_text())
+        print(f"our scheduler runs on: {describe(kernels)}", flush=True)
         run_bench(bench_options(base_url, 4, 4, seed=SEED + 99))  # warm-up
         for round_ in range(ROUNDS):
             print(f"round {round_ + 1} of {ROUNDS}", flush=True)
