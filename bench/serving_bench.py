@@ -293,8 +293,9 @@ def level_entry(level: int, num_requests: int, ours: list[dict], theirs: list[di
             "ratio": statistics.median(r["ratio"] for r in rounds), "rounds": rounds}
 
 
-def build_record(setup: Setup, ours: dict[int, list[dict]],
-                 theirs: dict[int, list[dict]]) -> dict:
+def build_record(setup: Setup, ours: dict[int, list[dict]], theirs: dict[int, list[dict]],
+                 kernels: dict) -> dict:
+    """`kernels`: what our scheduler chose (tier_kernels)."""
     import torch
     import transformers
 
@@ -313,7 +314,7 @@ def build_record(setup: Setup, ours: dict[int, list[dict]],
                      "max_tokens": MAX_TOKENS, "greedy": True, "ignore_eos": True,
                      "endpoint": "completions (plain-text prompts on both sides)",
                      "levels": setup.levels, "rounds": len(levels[0]["rounds"])},
-        "levels": levels, "targets": targets(levels),
+        "levels": levels, "targets": targets(levels), "ours_kernels": kernels,
     }
 
 
@@ -353,7 +354,7 @@ def markdown(record: dict) -> str:
     if settings["server_env"]:
         lines.append("Our server's settings: " + ", ".join(
             f"{key}={value}" for key, value in settings["server_env"].items()) + ".")
-    lines.append(f"Our scheduler ran on: {describe(record.get('ours_kernels', {}))}.")
+    lines.append(f"Our scheduler ran on: {describe(record['ours_kernels'])}.")
     lines.append("")
     return "\n".join(lines)
 
@@ -420,7 +421,7 @@ def main() -> None:
                     {dtype: models[dtype] for dtype in dtypes}, level, num_requests, round_))
     finally:
         stop_server(proc)
-    record = build_record(setup, ours, theirs) | {"ours_kernels": kernels}
+    record = build_record(setup, ours, theirs, kernels)
     name = setup.results_name
     (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=2))
     (RESULTS / f"{name}.md").write_text(markdown(record))

@@ -35,7 +35,7 @@ def best_times(candidates: list[Callable[[], object]], reps: int = 24) -> list[f
 
 
 def cpu_dtype(quantized: bool = True, activations: str = "auto") -> torch.dtype:
-    """"auto"'s dtype on this CPU: bf16 wherever our 4- and 8-bit kernels run
+    """The dtype `--dtype auto` means on this CPU: bf16 wherever our 4- and 8-bit kernels run
     every projection on bf16 activations (VNNI's int8 ones, AMX's tiles), so that
     torch's dense matmul does not decide; else the faster of torch's two. (On
     an AMD Zen 4, a startup beside a busy process timed fp32 ahead once, and
