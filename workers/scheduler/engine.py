@@ -64,6 +64,7 @@ class EngineStats:
     step_ms_p50: float | None
     rows_per_step: float | None
     output_tokens_per_s: float | None
+    busy: float | None  # the share of those steps' span spent stepping
 
 
 def resolve_device(name: str) -> torch.device:
