@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
+import psutil
 import redis
 
 from pipeline.bench import BenchOptions, make_prompts, run_bench
@@ -169,10 +170,24 @@ def bench_options(base_url: str, level: int, num_requests: int, seed: int) -> Be
 
 
 def measure_ours(base_url: str, level: int, num_requests: int, round_: int) -> dict:
+    before = psutil.cpu_times()
     summary = run_bench(bench_options(base_url, level, num_requests, level_seed(level, round_)))
+    summary["host_cpu_idle"] = idle_share(before, psutil.cpu_times())
     print(f"ours  level {level:>2}: {summary['output_throughput']:.1f} tok/s, "
           f"{summary['failed']} failed", flush=True)
     return summary
+
+
+def idle_share(before, after) -> float | None:
+    """The share of the host's CPU time between two psutil.cpu_times() that
+    nothing ran in (idle and iowait): near 0, the cores were saturated, and
+    our engine shared them with the tier's other processes and the bench
+    client (round AC in bench/HISTORY.md: 0.1% at C=64 on 2 cores)."""
+    fields = [f for f in before._fields if f not in ("guest", "guest_nice")]  # in user already
+    spent = sum(getattr(after, f) - getattr(before, f) for f in fields)
+    idle = sum(getattr(after, f) - getattr(before, f) for f in ("idle", "iowait")
+               if f in fields)
+    return idle / spent if spent > 0 else None
 
 
 def load_transformers(dtype: str, device: str):
@@ -322,9 +337,13 @@ def markdown(record: dict) -> str:
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value:.1f}"
 
+    def share(value: float | None) -> str:
+        return "-" if value is None else f"{100 * value:.1f}%"
+
     lines = ["| level | ours tok/s | transformers tok/s (its dtype) | ratio (rounds' median) "
-             "| rounds' ratios | our TTFT p50 ms | our ITL p50 ms | our TPOT p50 ms | failed |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| rounds' ratios | our TTFT p50 ms | our ITL p50 ms | our TPOT p50 ms | failed "
+             "| host CPU idle (ours) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for entry in record["levels"]:
         ours = entry["ours"]
         ratios = " / ".join(f"{r['ratio']:.2f}" for r in entry["rounds"])
@@ -333,7 +352,8 @@ def markdown(record: dict) -> str:
             f"| {entry['transformers']['output_throughput']:.1f} "
             f"({entry['transformers']['dtype']}) | {entry['ratio']:.2f}x | {ratios} "
             f"| {ms(ours['ttft_ms']['p50'])} | {ms(ours['itl_ms']['p50'])} "
-            f"| {ms(ours['tpot_ms']['p50'])} | {ours['failed']} |")
+            f"| {ms(ours['tpot_ms']['p50'])} | {ours['failed']} "
+            f"| {share(ours.get('host_cpu_idle'))} |")
     per_token = record["levels"][0]["transformers"]["per_token_ms_p50"]
     lines += ["", f"transformers per-token time at batch 1 (p50 decode step): {per_token:.1f} ms",
               ""]
@@ -350,7 +370,10 @@ def markdown(record: dict) -> str:
               f"{settings['max_tokens']} output tokens, greedy, ignore_eos; ours at concurrency "
               f"= level, transformers as static batches of that size, left-padded; "
               f"{settings['rounds']} rounds, each level by level, ours then theirs; each "
-              f"side's figures are its median round's."]
+              f"side's figures are its median round's. Host CPU idle: the share of "
+              f"the host's CPU time nothing ran in during our median round (near 0: "
+              f"saturated, our engine sharing the cores with the tier's other processes "
+              f"and the bench client)."]
     if settings["server_env"]:
         lines.append("Our server's settings: " + ", ".join(
             f"{key}={value}" for key, value in settings["server_env"].items()) + ".")

@@ -157,6 +157,24 @@ def test_serving_bench_levels_share_no_prompt_opening():
         assert_no_shared_opening(sb, levels)
 
 
+def test_host_cpu_idle_is_the_share_of_cpu_time_nothing_ran_in():
+    import psutil
+
+    sb = load_bench_script("serving_bench")
+    before = psutil.cpu_times()
+    later = before._replace(user=before.user + 3.0, idle=before.idle + 0.5,
+                            iowait=before.iowait + 0.5)
+    assert sb.idle_share(before, later) == pytest.approx(0.25)
+    # guest time is counted in user time already: not twice
+    assert sb.idle_share(before, later._replace(guest=before.guest + 2.0)) == pytest.approx(0.25)
+    assert sb.idle_share(before, before) is None
+    # on this host, around a second of one core spinning, some core time was used
+    start, spun = psutil.cpu_times(), time.perf_counter() + 1.0
+    while time.perf_counter() < spun:
+        pass
+    assert 0.0 <= sb.idle_share(start, psutil.cpu_times()) < 1.0
+
+
 def assert_no_shared_opening(sb, levels: dict[int, int]) -> None:
     runs = [make_prompts(n, sb.PROMPT_WORDS, sb.level_seed(level, round_))
             for level, n in levels.items() for round_ in range(sb.ROUNDS)]
