@@ -180,9 +180,10 @@ def measure_ours(base_url: str, level: int, num_requests: int, round_: int) -> d
 
 def idle_share(before, after) -> float | None:
     """The share of the host's CPU time between two psutil.cpu_times() that
-    nothing ran in (idle and iowait): near 0, the cores were saturated, and
-    our engine shared them with the tier's other processes and the bench
-    client (round AC in bench/HISTORY.md: 0.1% at C=64 on 2 cores)."""
+    nothing ran in (idle and iowait). Near 0: every core was busy, with the
+    engine's threads (OpenMP's spin-waits between regions count too), the
+    tier's other processes and the bench client; on 2 cores that holds even
+    at C=1 (round AC in bench/HISTORY.md: 0.2-0.9% at every level)."""
     fields = [f for f in before._fields if f not in ("guest", "guest_nice")]  # in user already
     spent = sum(getattr(after, f) - getattr(before, f) for f in fields)
     idle = sum(getattr(after, f) - getattr(before, f) for f in ("idle", "iowait")
@@ -372,8 +373,8 @@ def markdown(record: dict) -> str:
               f"{settings['rounds']} rounds, each level by level, ours then theirs; each "
               f"side's figures are its median round's. Host CPU idle: the share of "
               f"the host's CPU time nothing ran in during our median round (near 0: "
-              f"saturated, our engine sharing the cores with the tier's other processes "
-              f"and the bench client)."]
+              f"every core busy, with the engine's threads, OpenMP's spin-waits "
+              f"included, the tier's other processes and the bench client)."]
     if settings["server_env"]:
         lines.append("Our server's settings: " + ", ".join(
             f"{key}={value}" for key, value in settings["server_env"].items()) + ".")
