@@ -168,11 +168,11 @@ def test_host_cpu_idle_is_the_share_of_cpu_time_nothing_ran_in():
     # guest time is counted in user time already: not twice
     assert sb.idle_share(before, later._replace(guest=before.guest + 2.0)) == pytest.approx(0.25)
     assert sb.idle_share(before, before) is None
-    # on this host, around a second of one core spinning, some core time was used
+    # on this host, around a second of one core spinning: that core's time at least was used
     start, spun = psutil.cpu_times(), time.perf_counter() + 1.0
     while time.perf_counter() < spun:
         pass
-    assert 0.0 <= sb.idle_share(start, psutil.cpu_times()) < 1.0
+    assert 0.0 <= sb.idle_share(start, psutil.cpu_times()) <= 1.0 - 0.8 / psutil.cpu_count()
 
 
 def assert_no_shared_opening(sb, levels: dict[int, int]) -> None:
