@@ -46,6 +46,7 @@ PROMPT_WORDS, MAX_TOKENS, SEED = 24, 64, 0
 # gave 301-404 tok/s across one afternoon's runs): each round measures ours, then
 # theirs, level by level, so each ratio pairs neighbours in time, and the median
 # of the rounds' ratios is what a level reports
+QUIET = 0.9  # host CPU idle below this before a run: other processes would skew it
 ROUNDS = 3
 OUR_DTYPE = "auto"  # what `pipeline serve` picks on this machine
 # transformers runs in both and is credited with its faster one at each level: on
@@ -189,6 +190,14 @@ def idle_share(before, after) -> float | None:
     idle = sum(getattr(after, f) - getattr(before, f) for f in ("idle", "iowait")
                if f in fields)
     return idle / spent if spent > 0 else None
+
+
+def host_idle_now(seconds: float = 2.0) -> float:
+    """idle_share over `seconds` of this host doing nothing of ours."""
+    before = psutil.cpu_times()
+    time.sleep(seconds)
+    share = idle_share(before, psutil.cpu_times())
+    return 1.0 if share is None else share
 
 
 def load_transformers(dtype: str, device: str):
@@ -379,6 +388,8 @@ def markdown(record: dict) -> str:
         lines.append("Our server's settings: " + ", ".join(
             f"{key}={value}" for key, value in settings["server_env"].items()) + ".")
     lines.append(f"Our scheduler ran on: {describe(record['ours_kernels'])}.")
+    if (quiet := record["machine"].get("idle_before")) is not None:
+        lines.append(f"The host's CPU was {100 * quiet:.1f}% idle in the 2 s before the run.")
     lines.append("")
     return "\n".join(lines)
 
@@ -419,6 +430,11 @@ def main() -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     setup = make_setup(parser.parse_args().device)
     RESULTS.mkdir(parents=True, exist_ok=True)
+    quiet = host_idle_now()
+    print(f"host CPU idle before the run: {100 * quiet:.1f}%", flush=True)
+    if quiet < QUIET:
+        print(f"warning: other processes use {100 * (1 - quiet):.0f}% of this host's CPU; "
+              "both sides' figures will be slower and noisier", flush=True)
     models = {}
     for dtype in setup.hf_dtypes:
         models[dtype] = load_transformers(dtype, setup.device)
@@ -446,6 +462,7 @@ def main() -> None:
     finally:
         stop_server(proc)
     record = build_record(setup, ours, theirs, kernels)
+    record["machine"]["idle_before"] = quiet
     name = setup.results_name
     (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=2))
     (RESULTS / f"{name}.md").write_text(markdown(record))

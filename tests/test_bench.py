@@ -173,6 +173,7 @@ def test_host_cpu_idle_is_the_share_of_cpu_time_nothing_ran_in():
     while time.perf_counter() < spun:
         pass
     assert 0.0 <= sb.idle_share(start, psutil.cpu_times()) <= 1.0 - 0.8 / psutil.cpu_count()
+    assert 0.0 <= sb.host_idle_now(0.2) <= 1.0
 
 
 def assert_no_shared_opening(sb, levels: dict[int, int]) -> None:
