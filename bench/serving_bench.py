@@ -184,7 +184,7 @@ def idle_share(before, after) -> float | None:
     nothing ran in (idle and iowait). Near 0: every core was busy, with the
     engine's threads (OpenMP's spin-waits between regions count too), the
     tier's other processes and the bench client; on 2 cores that holds even
-    at C=1 (round AC in bench/HISTORY.md: 0.2-0.9% at every level)."""
+    at C=1 (round AC in bench/HISTORY.md: 0.2-1.1% at every level)."""
     fields = [f for f in before._fields if f not in ("guest", "guest_nice")]  # in user already
     spent = sum(getattr(after, f) - getattr(before, f) for f in fields)
     idle = sum(getattr(after, f) - getattr(before, f) for f in ("idle", "iowait")
