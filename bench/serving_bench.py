@@ -319,8 +319,9 @@ def level_entry(level: int, num_requests: int, ours: list[dict], theirs: list[di
 
 
 def build_record(setup: Setup, ours: dict[int, list[dict]], theirs: dict[int, list[dict]],
-                 kernels: dict) -> dict:
-    """`kernels`: what our scheduler chose (tier_kernels)."""
+                 kernels: dict, idle_before: float) -> dict:
+    """`kernels`: what our scheduler chose (tier_kernels); `idle_before`: the host's
+    CPU idle share just before the run (host_idle_now)."""
     import torch
     import transformers
 
@@ -332,7 +333,7 @@ def build_record(setup: Setup, ours: dict[int, list[dict]], theirs: dict[int, li
         "machine": {"cpus": os.cpu_count(), "device": setup.device,
                     "cpu": processor(setup.device), "platform": platform.platform(),
                     "python": platform.python_version(), "torch": torch.__version__,
-                    "transformers": transformers.__version__},
+                    "transformers": transformers.__version__, "idle_before": idle_before},
         "settings": {"model": DEFAULT_MODEL, "dtype": OUR_DTYPE, "hf_dtypes": setup.hf_dtypes,
                      "server_env": setup.server_env,
                      "prompt_words": PROMPT_WORDS,
@@ -461,8 +462,7 @@ def main() -> None:
                     {dtype: models[dtype] for dtype in dtypes}, level, num_requests, round_))
     finally:
         stop_server(proc)
-    record = build_record(setup, ours, theirs, kernels)
-    record["machine"]["idle_before"] = quiet
+    record = build_record(setup, ours, theirs, kernels, quiet)
     name = setup.results_name
     (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=2))
     (RESULTS / f"{name}.md").write_text(markdown(record))

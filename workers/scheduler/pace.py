@@ -43,7 +43,7 @@ class Pace:
         span = steps[-1].ended - steps[0].started
         rate = sum(s.sampled for s in steps) / span if span > 0 else None
         busy = sum(s.ended - s.started for s in steps) / span if span > 0 else None
-        return {  # to 0.01: they are read by people (`pipeline status`)
+        return {  # to 0.01 (busy, a share, to 0.0001): they are read by people (`pipeline status`)
             "recent_steps": len(steps),
             "step_ms_p50": round(statistics.median(s.ended - s.started for s in steps) * 1000, 2),
             "rows_per_step": round(statistics.fmean(s.rows for s in steps), 2),
