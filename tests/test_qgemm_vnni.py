@@ -209,6 +209,19 @@ def test_avx2_variants_times_builds_and_refuses_one_that_answers_otherwise(tmp_p
     assert capsys.readouterr().out == ""
 
 
+def test_vnni_bound_times_each_weight_against_its_instructions_alone(capsys):
+    """bench/vnni_bound.py: the instruction mix alone (bench/vnni_bound.c) and
+    our kernel on every projection and the lm_head, a ratio each."""
+    if qgemm_vnni.load() is None:
+        pytest.skip("no VNNI build here")
+    load_bench_script("vnni_bound").main(["--rows", "4", "--layers", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("the instructions alone: ")
+    table = [line.strip("| ").split(" | ") for line in lines[3:]]
+    assert [cells[0].split()[0] for cells in table] == ["qkv", "o", "gate_up", "down", "lm_head"]
+    assert all(float(cells[2]) > 0 and cells[3].endswith("x") for cells in table)
+
+
 @each_library
 def test_fine_kernels_sum_14_bit_activations_exactly(checkpoint, on):
     """The fine kernels' two int8 parts of each 14-bit level add up exactly:
