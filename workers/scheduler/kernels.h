@@ -62,6 +62,45 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_maskz_mul_ps((__mmask16)~under, e, _mm512_castsi512_ps(bits));
 }
 
+/* lane j: the sum of a[j]'s 16 int32 lanes (pairs, then quarters, then halves
+   of the 16 vectors at once): attention_avx512.h's sums16 on int32, exact
+   (paged_int8.c's dots: in fp32 its offset, often the larger term, would round
+   the dot away; qgemm_vnni.c's groups' sums of levels) */
+static inline __m512i sums16_epi32(const __m512i a[16]) {
+    __m512i b[8], c[4];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
+                                _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        c[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * i], b[2 * i + 1]),
+                                _mm512_unpackhi_epi64(b[2 * i], b[2 * i + 1]));
+    __m512i d0 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], 0x88),
+                                  _mm512_shuffle_i32x4(c[0], c[1], 0xDD));
+    __m512i d1 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2], c[3], 0x88),
+                                  _mm512_shuffle_i32x4(c[2], c[3], 0xDD));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(d0, d1, 0x88),
+                            _mm512_shuffle_i32x4(d0, d1, 0xDD));
+}
+
+/* lane j: the largest of a[j]'s 16 lanes, as sums16_epi32 (~3 instructions a
+   vector against ~8 each alone) */
+static inline __m512 max16_ps(const __m512 a[16]) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_max_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_max_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    __m512 d0 = _mm512_max_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                              _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+    __m512 d1 = _mm512_max_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88),
+                              _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+    return _mm512_max_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
+
 static inline __m512 round_lanes(__m512 x) {  /* to bf16 (nearest even) and back */
     return widen_bf16((__m256i)_mm512_cvtneps_pbh(x));
 }

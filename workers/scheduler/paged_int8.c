@@ -42,25 +42,6 @@ static float quantize_row(const void *x, int bf16, int dim, int offset, uint8_t 
     return amax / 127.0f;
 }
 
-/* lane j: the sum of a[j]'s 16 int32 lanes: attention_avx512.h's sums16 on int32, so
-   that each dot stays exact until 128 sum q is taken off (in fp32 the offset,
-   often the larger term, would round the dot away) */
-static inline __m512i sums16_epi32(const __m512i a[16]) {
-    __m512i b[8], c[4];
-    for (int i = 0; i < 8; i++)
-        b[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
-                                _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++)
-        c[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * i], b[2 * i + 1]),
-                                _mm512_unpackhi_epi64(b[2 * i], b[2 * i + 1]));
-    __m512i d0 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], 0x88),
-                                  _mm512_shuffle_i32x4(c[0], c[1], 0xDD));
-    __m512i d1 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2], c[3], 0x88),
-                                  _mm512_shuffle_i32x4(c[2], c[3], 0xDD));
-    return _mm512_add_epi32(_mm512_shuffle_i32x4(d0, d1, 0x88),
-                            _mm512_shuffle_i32x4(d0, d1, 0xDD));
-}
-
 /* A query head q [dim] fp32 as its fine split: parts[0..dim) a, [dim..2 dim) b;
    returns sq, and sum (128 a + b) in *sum. */
 static float split_query(const float *q, int dim, int8_t *parts, int32_t *sum) {

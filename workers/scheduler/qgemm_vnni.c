@@ -55,42 +55,6 @@ static inline int block_bytes(int bits) { return (bits == 4 ? 256 : 512) + 2 * 3
 #define DOT4(acc, levels, at) \
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(levels), "m"(*(at)))
 
-/* lane j: the largest of a[j]'s 16 lanes (pairs, then quarters, then halves of
-   the 16 vectors at once: ~3 instructions a vector against ~8 alone) */
-static inline __m512 max16(const __m512 a[16]) {
-    __m512 b[8], c[4];
-    for (int i = 0; i < 8; i++)
-        b[i] = _mm512_max_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
-        __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
-        c[i] = _mm512_max_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    __m512 d0 = _mm512_max_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
-                              _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-    __m512 d1 = _mm512_max_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88),
-                              _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
-    return _mm512_max_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
-}
-
-/* lane j: the sum of a[j]'s 16 int32 lanes (as max16) */
-static inline __m512i sums16_epi32(const __m512i a[16]) {
-    __m512i b[8], c[4];
-    for (int i = 0; i < 8; i++)
-        b[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
-                                _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++)
-        c[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * i], b[2 * i + 1]),
-                                _mm512_unpackhi_epi64(b[2 * i], b[2 * i + 1]));
-    __m512i d0 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], 0x88),
-                                  _mm512_shuffle_i32x4(c[0], c[1], 0xDD));
-    __m512i d1 = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2], c[3], 0x88),
-                                  _mm512_shuffle_i32x4(c[2], c[3], 0xDD));
-    return _mm512_add_epi32(_mm512_shuffle_i32x4(d0, d1, 0x88),
-                            _mm512_shuffle_i32x4(d0, d1, 0xDD));
-}
-
 /* Group g's sx and its second scale (4-bit: sx * sum q; 8-bit: the int32
    MAGIC_BITS - 128 sum q in its bits) into scales[2 g], [2 g + 1]. */
 static inline void put_scales(float *scales, int g, float sx, int sum, const int BITS,
@@ -118,7 +82,7 @@ static inline __attribute__((always_inline)) void quantize16(
         top[i] = _mm512_max_ps(_mm512_abs_ps(widen_bf16(_mm256_loadu_si256((const __m256i *)at))),
                                _mm512_abs_ps(widen_bf16(_mm256_loadu_si256((const __m256i *)(at + 16)))));
     }
-    const __m512 amax = max16(top), levels = _mm512_set1_ps(127.0f);
+    const __m512 amax = max16_ps(top), levels = _mm512_set1_ps(127.0f);
     float sx[16], inv[16];
     _mm512_storeu_ps(sx, _mm512_div_ps(amax, levels));
     _mm512_storeu_ps(inv, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(amax, _mm512_setzero_ps(),
