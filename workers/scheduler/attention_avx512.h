@@ -10,25 +10,6 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-/* lane j: the sum of a[j]'s 16 lanes */
-static inline __m512 sums16(const __m512 a[16]) {
-    __m512 b[8], c[4];
-    for (int i = 0; i < 8; i++)  /* pairs: 2 keys' partial sums per 128-bit quarter */
-        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {  /* 4 keys per quarter */
-        __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
-        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
-                              _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-    __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88),
-                              _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88),
-                         _mm512_shuffle_f32x4(d0, d1, 0xDD));
-}
-
 /* score[g * len + p] = scale * q[g] . keys[p], q fp32 [GC, DIM] holding bf16
    values (so rounding them back is exact), 16 keys at a time. */
 static inline __attribute__((always_inline)) void scores_bf16(

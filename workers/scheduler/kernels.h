@@ -63,7 +63,7 @@ static inline __m512 exp16(__m512 x) {
 }
 
 /* lane j: the sum of a[j]'s 16 int32 lanes (pairs, then quarters, then halves
-   of the 16 vectors at once): attention_avx512.h's sums16 on int32, exact
+   of the 16 vectors at once): lanes16_ps below on int32, exact
    (paged_int8.c's dots: in fp32 its offset, often the larger term, would round
    the dot away; qgemm_vnni.c's groups' sums of levels) */
 static inline __m512i sums16_epi32(const __m512i a[16]) {
@@ -82,24 +82,29 @@ static inline __m512i sums16_epi32(const __m512i a[16]) {
                             _mm512_shuffle_i32x4(d0, d1, 0xDD));
 }
 
-/* lane j: the largest of a[j]'s 16 lanes, as sums16_epi32 (~3 instructions a
-   vector against ~8 each alone) */
-static inline __m512 max16_ps(const __m512 a[16]) {
+/* lane j: the sum (or, MAX, the largest) of a[j]'s 16 fp32 lanes, as sums16_epi32 */
+static inline __attribute__((always_inline)) __m512 lanes16_ps(const __m512 a[16],
+                                                                 const int MAX) {
+    #define LANES_OP(x, y) (MAX ? _mm512_max_ps(x, y) : _mm512_add_ps(x, y))
     __m512 b[8], c[4];
-    for (int i = 0; i < 8; i++)
-        b[i] = _mm512_max_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 8; i++)  /* pairs: 2 vectors' partial results per 128-bit quarter */
+        b[i] = LANES_OP(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                        _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  /* 4 vectors per quarter */
         __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
-        c[i] = _mm512_max_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+        c[i] = LANES_OP(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                        _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
     }
-    __m512 d0 = _mm512_max_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
-                              _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-    __m512 d1 = _mm512_max_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88),
-                              _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
-    return _mm512_max_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+    __m512 d0 = LANES_OP(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                         _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+    __m512 d1 = LANES_OP(_mm512_shuffle_f32x4(c[2], c[3], 0x88),
+                         _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+    return LANES_OP(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+    #undef LANES_OP
 }
+
+static inline __m512 sums16(const __m512 a[16]) { return lanes16_ps(a, 0); }
+static inline __m512 max16_ps(const __m512 a[16]) { return lanes16_ps(a, 1); }
 
 static inline __m512 round_lanes(__m512 x) {  /* to bf16 (nearest even) and back */
     return widen_bf16((__m256i)_mm512_cvtneps_pbh(x));
