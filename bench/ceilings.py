@@ -16,12 +16,15 @@ import time
 
 import torch
 
+from pipeline.models import DEFAULT_MODEL, resolve_model
 from workers.scheduler import qgemm, qgemm_amx, qgemm_vnni
 from workers.scheduler.calibrate import cpu_has_bf16
 from workers.scheduler.linear import Dense, Int4, Int8, Kernels, quantize_int4, quantize_int8
+from workers.scheduler.model import read_spec
 
-HIDDEN, INTER, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152
-SHAPES = [(HIDDEN + 2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+SPEC = read_spec(resolve_model(DEFAULT_MODEL).path)
+HIDDEN, LAYERS, VOCAB = SPEC.hidden_size, SPEC.num_layers, SPEC.vocab_size
+SHAPES = list(SPEC.projections().values())
 PARAMS = LAYERS * sum(o * i for o, i in SHAPES) + VOCAB * HIDDEN
 
 

@@ -16,11 +16,9 @@ from pathlib import Path
 
 import torch
 
+from pipeline.models import DEFAULT_MODEL, resolve_model
 from workers.scheduler import native, qgemm_vnni
-
-HIDDEN, INTER, KV, VOCAB = 576, 1536, 192, 49152
-PROJECTIONS = {"qkv": (HIDDEN + 2 * KV, HIDDEN), "o": (HIDDEN, HIDDEN),
-               "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
+from workers.scheduler.model import read_spec
 
 
 def bound_ns(lib: ctypes.CDLL, bits: int) -> float:
@@ -82,8 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"the instructions alone: {alone[4]:.3f} ns a unit (4-bit), {alone[8]:.3f} (8-bit)")
     print("| weight | bits | ns a unit | against the instructions alone |")
     print("|---|---:|---:|---:|")
-    rows = [(name, *shape, 4, args.layers) for name, shape in PROJECTIONS.items()]
-    rows.append(("lm_head (argmax)", VOCAB, HIDDEN, 8, 1))
+    spec = read_spec(resolve_model(DEFAULT_MODEL).path)
+    rows = [(name, *shape, 4, args.layers) for name, shape in spec.projections().items()]
+    rows.append(("lm_head (argmax)", spec.vocab_size, spec.hidden_size, 8, 1))
     for name, out_dim, in_dim, bits, copies in rows:
         ns = kernel_ns(out_dim, in_dim, bits, args.rows, copies)
         print(f"| {name} {out_dim}x{in_dim} | {bits} | {ns:.3f} | {ns / alone[bits]:.2f}x |")

@@ -32,6 +32,14 @@ class ModelSpec:
     qk_norm: bool
     eos_token_ids: frozenset[int]
 
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """Each layer's projections as (out, in), stacked as the engine runs them:
+        q, k and v as one; gate and up as one."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {"qkv": (q + 2 * kv, self.hidden_size), "o": (self.hidden_size, q),
+                "gate_up": (2 * self.intermediate_size, self.hidden_size),
+                "down": (self.hidden_size, self.intermediate_size)}
+
 
 def _ids(value: int | list[int] | None) -> set[int]:
     return set() if value is None else {value} if isinstance(value, int) else set(value)
