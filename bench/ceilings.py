@@ -23,7 +23,8 @@ from workers.scheduler.linear import Dense, Int4, Int8, Kernels, quantize_int4, 
 from workers.scheduler.model import read_spec
 
 SPEC = read_spec(resolve_model(DEFAULT_MODEL).path)
-HIDDEN, LAYERS, VOCAB = SPEC.hidden_size, SPEC.num_layers, SPEC.vocab_size
+HIDDEN, INTER = SPEC.hidden_size, SPEC.intermediate_size
+LAYERS, VOCAB = SPEC.num_layers, SPEC.vocab_size
 SHAPES = list(SPEC.projections().values())
 PARAMS = LAYERS * sum(o * i for o, i in SHAPES) + VOCAB * HIDDEN
 
