@@ -9,7 +9,7 @@ import torch
 
 from pipeline.messages import Sampling
 from workers.scheduler import native, paged
-from workers.scheduler.attention import KVCache, TorchAttention, make_cache
+from workers.scheduler.attention import KVCache, TorchAttention, kv_dtype, make_cache
 from workers.scheduler.batcher import Chunk, StepPlan
 from workers.scheduler.blocks import Copy
 from workers.scheduler.native import NEEDS_AVX512, cpu_flags
@@ -20,18 +20,24 @@ LAYERS, BLOCKS, BLOCK, HEADS, KV_HEADS, DIM = 2, 40, 16, 9, 3, 64
 
 def step(in_place: bool, lengths: list[int], prefill: int = 0, sharpness: float = 1.0,
          dtype: torch.dtype = torch.float32, heads: int = HEADS,
-         kv_heads: int = KV_HEADS, prefill_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+         kv_heads: int = KV_HEADS, prefill_from: int = 0, kv_cache_dtype: str = "model",
+         kv_in_bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One step's attention output for decode rows at `lengths` (and one
     prefill chunk after them: positions `prefill_from` to `prefill`, the ones
     before it cached already), same random inputs;
     `sharpness` scales the queries, so the softmax runs from flat to one-hot.
+    `kv_cache_dtype` "model": bf16 for a bf16 model, else fp32; "auto": as
+    kv_dtype picks it beside int8 activations. `kv_in_bf16`: the cache's
+    contents and the step's keys and values rounded to bf16 (in their dtype).
     Returns it with the KV cache after the step."""
     generator = torch.Generator().manual_seed(0)
     cache = make_cache("torch", LAYERS, BLOCKS, BLOCK, kv_heads, DIM, dtype,
-                       torch.device("cpu"), "model")  # bf16 for a bf16 model, else fp32
+                       torch.device("cpu"), kv_cache_dtype, int8_activations=True)
+    rounded = (lambda t: t.bfloat16().to(t.dtype)) if kv_in_bf16 else (lambda t: t)
     for tensor in cache.k + cache.v:
-        tensor.copy_(torch.randn(tensor.shape, generator=generator))
-    assert cache.dtype == (torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+        tensor.copy_(rounded(torch.randn(tensor.shape, generator=generator)))
+    if kv_cache_dtype == "model":
+        assert cache.dtype == (torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
     blocks = list(range(BLOCKS))
     random.Random(0).shuffle(blocks)
     plan, tables = StepPlan(block_size=BLOCK), []
@@ -46,7 +52,7 @@ def step(in_place: bool, lengths: list[int], prefill: int = 0, sharpness: float 
     attention.prepare(plan, tables, torch.device("cpu"))
     rows = plan.num_tokens
     q = sharpness * torch.randn(rows, heads, DIM, generator=generator)
-    k, v = (torch.randn(rows, kv_heads, DIM, generator=generator) for _ in range(2))
+    k, v = (rounded(torch.randn(rows, kv_heads, DIM, generator=generator)) for _ in range(2))
     qkv = torch.cat([q, k, v], dim=1).to(dtype)  # as the model hands them: rows apart
     q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
     with torch.inference_mode():
@@ -84,6 +90,24 @@ def test_in_place_decode_takes_the_models_dtype(dtype):
                                 for in_place in (True, False))
     # the gathered path rounds scores and probabilities to bf16 too; ours keeps fp32
     assert (ours - gathered).abs().max().item() < 2e-2
+
+
+@pytest.mark.skipif(paged.load() is None, reason="no AVX2 CPU or no C compiler")
+def test_an_fp32_model_beside_int8_activations_keeps_a_bf16_cache():
+    """Its rows go in and out in fp32; the step's keys and values are rounded to
+    bf16 as they are written, and attention reads the cache as the fp32 path
+    reads the same values (the AVX-512 build: by bf16 dot products)."""
+    cpu = torch.device("cpu")
+    assert kv_dtype("torch", torch.float32, cpu, "auto", int8_activations=True) == torch.bfloat16
+    assert kv_dtype("torch", torch.float32, cpu, "auto") == torch.float32  # exact activations
+    assert kv_dtype("torch", torch.float32, cpu, "model", int8_activations=True) == torch.float32
+    for lengths, prefill in (([5, 16, 33, 100, 2], 7), ([], 9), ([3, 40], 0)):
+        ours, our_cache = step(True, lengths, prefill, kv_cache_dtype="auto")
+        theirs, their_cache = step(True, lengths, prefill, kv_in_bf16=True)
+        assert our_cache.dtype == torch.bfloat16 and ours.dtype == torch.float32
+        assert torch.equal(our_cache.float(), their_cache)
+        assert (ours - theirs).abs().max().item() < (2e-2 if "avx512_bf16" in cpu_flags()
+                                                     else 5e-5)
 
 
 @pytest.mark.skipif(paged.load() is None, reason="no AVX2 CPU or no C compiler")

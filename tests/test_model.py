@@ -30,7 +30,8 @@ def fresh_cache(model: LlamaModel,
                 kv_cache_dtype: str = "model") -> tuple[BlockAllocator, TorchAttention]:
     spec = model.spec
     cache = make_cache("torch", spec.num_layers, 64, BLOCK, spec.num_kv_heads, spec.head_dim,
-                       model.dtype, torch.device("cpu"), kv_cache_dtype)
+                       model.dtype, torch.device("cpu"), kv_cache_dtype,
+                       int8_activations=True)  # "auto": as beside int8 activations
     return (BlockAllocator(64, BLOCK),
             TorchAttention(cache, spec.num_heads, spec.num_kv_heads, spec.head_dim))
 
@@ -176,17 +177,27 @@ def test_bf16_logits_stay_close_to_transformers_fp32(model_files, hf_smollm, pro
 def test_int8_activations_on_an_fp32_model_stay_close_to_transformers(model_files, hf_smollm,
                                                                       prompts):
     """The default on a CPU with AVX2 alone: an fp32 model whose 4- and 8-bit
-    weights run on qgemm_avx2.c (qkv's activations in 14 bits, the rest int8)."""
+    weights run on qgemm_avx2.c (qkv's activations in 14 bits, the rest int8),
+    on an fp32 KV cache and on the bf16 one `auto` gives it: that one's mean KL
+    within 0.002 of the fp32 one's (measured on 7 chats, an AMD Zen 1: 0.0060
+    against 0.0052)."""
     chats = prompts[:len(TEXTS)]
     model = load_with(model_files.path, torch.float32, Kernels(onednn=True, vnni=True),
                       "lossless")
-    ours = all_logits(model, chats) + [decode_logits(model, chat) for chat in chats]
+    references = reference_logits(hf_smollm, chats * 2)
     max_difference, max_kl, min_agree = TOLERANCES["int8"]
-    for mine, theirs in zip(ours, reference_logits(hf_smollm, chats * 2), strict=True):
-        assert (mine - theirs).abs().max().item() < max_difference
-        log_p, log_q = torch.log_softmax(theirs, -1), torch.log_softmax(mine, -1)
-        assert (log_p.exp() * (log_p - log_q)).sum(-1).mean().item() < max_kl
-        assert (mine.argmax(-1) == theirs.argmax(-1)).float().mean().item() >= min_agree
+    mean_kl = {}
+    for kv in ("model", "auto"):
+        ours = all_logits(model, chats, kv) + [decode_logits(model, chat, kv) for chat in chats]
+        kls = []
+        for mine, theirs in zip(ours, references, strict=True):
+            assert (mine - theirs).abs().max().item() < max_difference
+            log_p, log_q = torch.log_softmax(theirs, -1), torch.log_softmax(mine, -1)
+            kls.append((log_p.exp() * (log_p - log_q)).sum(-1).mean().item())
+            assert kls[-1] < max_kl
+            assert (mine.argmax(-1) == theirs.argmax(-1)).float().mean().item() >= min_agree
+        mean_kl[kv] = sum(kls) / len(kls)
+    assert mean_kl["auto"] < mean_kl["model"] + 0.002, mean_kl
 
 
 def test_an_int8_kv_cache_keeps_the_logits_as_close_to_transformers(model_files, hf_smollm,

@@ -238,9 +238,11 @@ def choose_backend(name: str, device: torch.device) -> str:
 
 def make_cache(backend: str, num_layers: int, num_blocks: int, block_size: int,
                num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-               device: torch.device, kv_cache_dtype: str = "auto") -> KVCache:
+               device: torch.device, kv_cache_dtype: str = "auto",
+               int8_activations: bool = False) -> KVCache:
     return KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim,
-                   kv_dtype(backend, dtype, device, kv_cache_dtype, head_dim), device,
+                   kv_dtype(backend, dtype, device, kv_cache_dtype, head_dim, int8_activations),
+                   device,
                    "NHD" if backend == "flashinfer" else "HND")
 
 
@@ -249,14 +251,17 @@ INT8_HEAD_DIMS = (64, 128, 256)
 
 
 def kv_dtype(backend: str, dtype: torch.dtype, device: torch.device,
-             kv_cache_dtype: str = "auto", head_dim: int = 64) -> torch.dtype:
+             kv_cache_dtype: str = "auto", head_dim: int = 64,
+             int8_activations: bool = False) -> torch.dtype:
     """int8: 8-bit levels (half of bf16's bytes), read by paged_int8.c on a CPU
     with AVX-512 VNNI only, for heads of 64, 128 or 256 dims. model: the torch
     backend on the CPU keeps fp32, where torch's bf16 bmm is slow, except for a
     bf16 model on our kernel, which reads bf16; elsewhere the model's dtype.
     auto: int8 for a bf16 model where paged_int8.c runs (the same logits' KL to
     transformers, 1.88x the tokens a MiB, and faster steps: see the README's
-    Models), else model's choice."""
+    Models); bf16 for an fp32 model whose matmuls round activations to int8
+    (`int8_activations`: qgemm_avx2.c, a CPU without VNNI) where our kernel
+    reads it (half the bytes of fp32 to read); else model's choice."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ConfigError(f"unknown kv cache dtype {kv_cache_dtype!r}: "
                           f"{', '.join(KV_CACHE_DTYPES)}")
@@ -275,7 +280,10 @@ def kv_dtype(backend: str, dtype: torch.dtype, device: torch.device,
         return torch.int8
     if backend != "torch" or device.type != "cpu":
         return dtype
-    return torch.bfloat16 if dtype == torch.bfloat16 and paged.load() is not None else torch.float32
+    ours = paged.load() is not None
+    if kv_cache_dtype == "auto" and dtype == torch.float32 and int8_activations and ours:
+        return torch.bfloat16
+    return torch.bfloat16 if dtype == torch.bfloat16 and ours else torch.float32
 
 
 def make_backend(backend: str, cache: KVCache, spec, device: torch.device):

@@ -140,9 +140,11 @@ class Engine:
         self.config = config = sized(config, self.device.type, free_mb)
         self.model.warm(config.max_batch_tokens)
         self.backend = backend = choose_backend(config.attention_backend, self.device)
+        int8_activations = self.kernels.vnni  # its int8 kernels run (VNNI's or AVX2's)
         per_block = bytes_per_block(spec.num_layers, config.block_size, spec.num_kv_heads,
                                     spec.head_dim, kv_dtype(backend, self.dtype, self.device,
-                                                            config.kv_cache_dtype, spec.head_dim))
+                                                            config.kv_cache_dtype, spec.head_dim,
+                                                            int8_activations))
         num_blocks = config.kv_cache_mb * 2**20 // per_block
         graph_batch = graph_batch_size(config, self.device, backend)
         usable = num_blocks - (1 if graph_batch else 0)  # graphs' padding rows write to one
@@ -150,7 +152,7 @@ class Engine:
             raise ConfigError(f"kv_cache_mb={config.kv_cache_mb} holds under two KV blocks")
         self.cache = make_cache(backend, spec.num_layers, num_blocks, config.block_size,
                                 spec.num_kv_heads, spec.head_dim, self.dtype, self.device,
-                                config.kv_cache_dtype)
+                                config.kv_cache_dtype, int8_activations)
         self.attention = make_backend(backend, self.cache, spec, self.device)
         self.model.driver = Driver.build(self.model, self.attention)
         self.graphs = self._capture(graph_batch, usable) if graph_batch else None

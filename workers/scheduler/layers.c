@@ -41,7 +41,8 @@ typedef struct {
     int hidden, inter, heads, kv_heads, dim;
     float eps, scale;
     int64_t cache_slots;
-    int bf16;  /* activations, weights of the norms, rope tables and KV cache: else fp32 */
+    int bf16;  /* activations, weights of the norms and rope tables: else fp32 */
+    int attend_mode;  /* the attention kernel's `bf16` argument: its KV cache's dtype too */
 } Model;
 typedef struct {  /* the attention kernel's per-step arguments (paged.InPlace.prepare);
                     every row is a query row of its own, so their count is the step's rows */
@@ -100,8 +101,8 @@ static void layer_rows(const Model *m, const Layer *layers, int num_layers, int 
     L->qkv.fn(x, rows, m->hidden, L->qkv.w, qkv, bf16, width);
     m->rope(qkv, width, rows, m->heads + m->kv_heads, m->dim, positions + a, cos, sin, bf16);
     /* each row its own query (a token sees its sequence up to itself) */
-    m->attend(qkv, width, qkv + size * nq, width, qkv + size * (nq + nkv), width, bf16,
-              rows, s->slots + a, rows, m->heads, m->kv_heads, m->dim, L->k_cache,
+    m->attend(qkv, width, qkv + size * nq, width, qkv + size * (nq + nkv), width,
+              m->attend_mode, rows, s->slots + a, rows, m->heads, m->kv_heads, m->dim, L->k_cache,
               L->v_cache, m->cache_slots, s->tables + at * s->width, s->width,
               s->lengths + a, s->block_size, m->scale, att);
     L->o.fn(att, rows, nq, L->o.w, delta, bf16, m->hidden);

@@ -45,7 +45,7 @@ class Model(ctypes.Structure):
                 ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("dim", ctypes.c_int),
                 ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("cache_slots", ctypes.c_int64),
-                ("bf16", ctypes.c_int)]
+                ("bf16", ctypes.c_int), ("attend_mode", ctypes.c_int)]
 
 
 class Step(ctypes.Structure):
@@ -138,7 +138,8 @@ class Driver:
                            address(kernel.kernel), model.embed.data_ptr(),
                            model.norm.data_ptr(), spec.hidden_size, spec.intermediate_size,
                            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_eps,
-                           attention.scale, kernel.slots, model.dtype == torch.bfloat16)
+                           attention.scale, kernel.slots, model.dtype == torch.bfloat16,
+                           kernel.mode(model.dtype))
 
     @classmethod
     def build(cls, model, attention) -> Driver | None:
@@ -149,7 +150,7 @@ class Driver:
         if (lib is None or model.dtype not in (torch.bfloat16, torch.float32)
                 or model.spec.qk_norm or not isinstance(model.ops, fused.NativeOps)
                 or getattr(attention, "kernel", None) is None
-                or attention.kernel.dtype != model.dtype):
+                or attention.kernel.mode(model.dtype) is None):
             return None
         names = ("qkv", "o", "gate_up", "down")
         found = [[kernels_of(getattr(layer, n), model.dtype) for n in names]

@@ -18,6 +18,7 @@ INT8_FLAGS = (*native.AVX512, "-mavx512vnni")
 
 
 P, I32, I64 = native.P, native.I32, native.I64
+CACHE_BF16 = 2  # paged_decode's `bf16` mode: q, k, v and out fp32, the cache bf16
 SIGNATURES = {"paged_decode": [P, I64, P, I64, P, I64, I32, I32, P, I32, I32, I32, I32, P, P, I64,
                                P, I32, P, I32, native.F32, P]}
 INT8_SIGNATURES = {"paged_decode_int8": SIGNATURES["paged_decode"]}
@@ -68,6 +69,7 @@ class InPlace:
         self.kv_heads, self.slots, self.dim = k_caches[0].shape
         self.step_tensors: tuple = ()
         self.step_args: tuple = ()
+        self.int8: list | None = None
         if scales is None:
             self.kernel = (lib or load()).paged_decode
             self.dtype = k_caches[0].dtype
@@ -88,21 +90,31 @@ class InPlace:
         self.step_args = (slots.data_ptr(), len(lengths), tables.data_ptr(), tables.shape[1],
                           lengths.data_ptr(), block_size)
 
+    def mode(self, dtype: torch.dtype) -> int | None:
+        """The kernel's `bf16` argument for q, k, v and out in `dtype`
+        (paged_attention.c's modes), or None where they go through a copy."""
+        if dtype == self.dtype:
+            return int(dtype == torch.bfloat16)
+        if dtype == torch.float32 and self.dtype == torch.bfloat16 and self.int8 is None:
+            return CACHE_BF16
+        return None
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float, out: torch.Tensor) -> None:
         """k and v [rows, kv_heads, dim] of every token written to their slots,
         then the query rows of q [rows, heads, dim] attended into out
-        [rows, heads * dim]. Outputs in another dtype than the cache's go
-        through a copy."""
-        if out.dtype != self.dtype:
+        [rows, heads * dim]. fp32 ones on a bf16 cache go in as they are; other
+        dtypes than the cache's go through a copy."""
+        mode = self.mode(out.dtype)
+        if mode is None:
             staged = torch.empty(out.shape, dtype=self.dtype)
             self(layer, q, k, v, scale, staged)
             batch = self.step_args[1]
             out[:batch] = staged[:batch]
             return
-        q, k, v = rows_of(q, self.dtype), rows_of(k, self.dtype), rows_of(v, self.dtype)
+        q, k, v = rows_of(q, out.dtype), rows_of(k, out.dtype), rows_of(v, out.dtype)
         slots, batch, tables, width, lengths, block_size = self.step_args
         self.kernel(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
-                    v.stride(0), self.dtype == torch.bfloat16, q.shape[0], slots, batch,
+                    v.stride(0), mode, q.shape[0], slots, batch,
                     q.shape[1], self.kv_heads, self.dim, self.k[layer], self.v[layer],
                     self.slots, tables, width, lengths, block_size, scale, out.data_ptr())

@@ -166,18 +166,25 @@ static void prefetch_task(const void *k_cache, const void *v_cache, int64_t cach
     }
 }
 
+/* The `bf16` argument's modes: q, k, v, out and the caches all fp32 (0) or
+   all bf16 (1); or q, k, v and out fp32 and the caches bf16 (an fp32 model's
+   bf16 cache: the new keys and values rounded to nearest even as written). */
+enum { ALL_FP32 = 0, ALL_BF16 = 1, CACHE_BF16 = 2 };
+
 /* One layer's step: the new keys and values of all `rows` tokens written to
    their slots, then attention for the first `batch` rows (one-token decodes)
    into out [batch, heads * dim]. q [rows, heads, dim], k and v [rows, kv_heads,
-   dim]: rows `*_stride` elements apart, heads `dim` apart. q, k, v, out and the
-   caches are all bf16 if `bf16`, else all fp32. */
+   dim]: rows `*_stride` elements apart, heads `dim` apart; dtypes as `bf16`
+   says (its modes above). */
 void paged_decode(const void *q, int64_t q_stride, const void *k, int64_t k_stride,
                   const void *v, int64_t v_stride, int bf16, int rows, const int64_t *slots,
                   int batch, int heads, int kv_heads, int dim, void *k_cache, void *v_cache,
                   int64_t cache_slots, const int32_t *tables, int table_width,
                   const int32_t *lengths, int block_size, float scale, void *out) {
+    const int cache_bf16 = bf16 != ALL_FP32;
+    bf16 = bf16 == ALL_BF16;  /* from here: q, k, v and out's */
     const int group = heads / kv_heads, width = bf16 ? 2 : 4;
-    const size_t row_bytes = (size_t)width * dim;
+    const size_t row_bytes = (size_t)(cache_bf16 ? 2 : 4) * dim;
     Span *spans = aligned_alloc(64, sizeof(Span) * omp_get_max_threads());
     /* one decode's few heads cost less than waking the second thread */
     #pragma omp parallel if (batch * kv_heads > 4 || rows > 64)
@@ -186,11 +193,15 @@ void paged_decode(const void *q, int64_t q_stride, const void *k, int64_t k_stri
         for (int t = 0; t < rows; t++)
             for (int h = 0; h < kv_heads; h++) {
                 int64_t at = ((int64_t)h * cache_slots + slots[t]) * row_bytes;
-                int64_t from = (int64_t)h * row_bytes;
-                memcpy((char *)k_cache + at, (const char *)k + width * t * k_stride + from,
-                       row_bytes);
-                memcpy((char *)v_cache + at, (const char *)v + width * t * v_stride + from,
-                       row_bytes);
+                const char *k_row = (const char *)k + width * (t * k_stride + (int64_t)h * dim);
+                const char *v_row = (const char *)v + width * (t * v_stride + (int64_t)h * dim);
+                if (cache_bf16 && !bf16) {
+                    store_row((const float *)k_row, 1, (char *)k_cache + at, dim);
+                    store_row((const float *)v_row, 1, (char *)v_cache + at, dim);
+                } else {
+                    memcpy((char *)k_cache + at, k_row, row_bytes);
+                    memcpy((char *)v_cache + at, v_row, row_bytes);
+                }
             }
         /* whole sequences, each thread a contiguous range taken in order, so that it
            knows its next task and starts its keys and values on their way from
@@ -240,7 +251,7 @@ void paged_decode(const void *q, int64_t q_stride, const void *k, int64_t k_stri
                     float *rg = result + g * dim;
                     #define ATTEND(BF16, GC) attend(qg, keys, values, len, dim, scale, weight, \
                                                     pairs, rg, BF16, GC)
-                    if (bf16) {
+                    if (cache_bf16) {
                         if (n == 3) ATTEND(1, 3); else if (n == 2) ATTEND(1, 2); else ATTEND(1, 1);
                     } else {
                         if (n == 3) ATTEND(0, 3); else if (n == 2) ATTEND(0, 2); else ATTEND(0, 1);
