@@ -60,7 +60,8 @@ KvCacheDtype = Annotated[str, _opt("KV_CACHE_DTYPE", "auto | model | int8: the K
                                    "(int8: keys and values rounded to 8 bits per token and "
                                    "head, half of bf16's memory, on a CPU with AVX-512 VNNI; "
                                    "model: the model's; auto: int8 for a bf16 model where it "
-                                   "runs, else model).")]
+                                   "runs, bf16 for an fp32 model on int8 activations (a CPU "
+                                   "with AVX2 alone), else model).")]
 Threads = Annotated[int | None, _opt("NUM_THREADS", "torch threads per scheduler.")]
 CudaGraphs = Annotated[int, _opt("CUDA_GRAPH_MAX_BATCH", "On CUDA with flashinfer, decode steps "
                                  "of up to this many requests replay CUDA graphs; 0: off.")]
