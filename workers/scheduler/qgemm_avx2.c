@@ -244,7 +244,7 @@ static inline __attribute__((always_inline)) void rows_of(
     for (int m = 0, rows; m < M; m += rows) {
         int blocks = (M - m + most - 1) / most;
         rows = (M - m + blocks - 1) / blocks;
-        switch (FINE ? (rows > 1 ? 2 : 1) : rows) {
+        switch (rows) {  /* at most `most` */
 #if ROWS >= 6
         case 6: T(6); break;
         case 5: T(5); break;
