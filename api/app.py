@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -15,6 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from api import native_routes, openai_routes
 from api.errors import error_response, install_handlers
 from api.frontend import Frontend
+from api.metrics import Metrics
 from api.sampling import Limits
 from api.served import Served, context_len
 from pipeline.config import ApiConfig, Config
@@ -32,12 +34,13 @@ def create_app(config: Config, model: ModelFiles | None = None) -> FastAPI:
     # the id is drawn here, not in Frontend, so that every response can name it
     frontend_id = config.api.frontend_id or uuid.uuid4().hex[:12]
     config = replace(config, api=replace(config.api, frontend_id=frontend_id))
+    metrics = Metrics(config.api.metrics_dir)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         tokenizer = Tokenizer(model.path)
         limits = Limits(context_len(model.path), tokenizer.vocab_size, config.api.max_n)
-        frontend = Frontend(config.redis, config.api)
+        frontend = Frontend(config.redis, config.api, metrics)
         await frontend.start()
         app.state.served = Served(model.name, limits, tokenizer, frontend, config.api)
         try:
@@ -50,7 +53,7 @@ def create_app(config: Config, model: ModelFiles | None = None) -> FastAPI:
     install_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(native_routes.router)
-    app.add_middleware(RequestGuard, config=config.api)
+    app.add_middleware(RequestGuard, config=config.api, metrics=metrics)
     return app
 
 
@@ -67,18 +70,30 @@ def app_from_env() -> FastAPI:
 class RequestGuard:
     """Checks the API key, then reads the body up to max_body_bytes, before any route
     runs: a refused request costs no parsing, and a huge one is never held whole.
-    Every response names the frontend that served it (x-pipeline-frontend)."""
+    Every response names the frontend that served it (x-pipeline-frontend), and is
+    counted and timed (/metrics) by its status once its last byte is sent."""
 
-    def __init__(self, app: ASGIApp, config: ApiConfig):
+    def __init__(self, app: ASGIApp, config: ApiConfig, metrics: Metrics):
         self.app = app
         self.config = config
+        self.metrics = metrics
         self.header = (b"x-pipeline-frontend", (config.frontend_id or "").encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        send = self._tagged(send)
+        start, status = time.perf_counter(), [None]
+        try:
+            await self._guarded(scope, receive, self._tagged(send, status))
+        except Exception:
+            status[0] = status[0] or 500  # Starlette's outermost middleware answers it
+            raise
+        finally:
+            if status[0] is not None:  # None: no response began (the client left)
+                self.metrics.http(scope["path"], status[0], time.perf_counter() - start)
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             self._check_key(scope)
             body = await self._read_body(scope, receive)
@@ -88,9 +103,10 @@ class RequestGuard:
         if body is not None:  # None: the client left while sending
             await self.app(scope, _replay(body, receive), send)
 
-    def _tagged(self, send: Send) -> Send:
+    def _tagged(self, send: Send, status: list[int | None]) -> Send:
         async def tagged(message: dict) -> None:
             if message["type"] == "http.response.start":
+                status[0] = message["status"]
                 message = message | {"headers": [*message.get("headers", []), self.header]}
             await send(message)
 

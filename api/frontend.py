@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from api.metrics import Metrics
 from pipeline.config import ApiConfig, RedisConfig
-from pipeline.errors import RETRY, Overloaded, RequestTimeout, error_from_code
+from pipeline.errors import RETRY, Overloaded, PipelineError, RequestTimeout, error_from_code
 from pipeline.messages import (
     Cancel,
     Delta,
@@ -59,8 +60,10 @@ class RequestState:
 
 
 class Frontend:
-    def __init__(self, redis_config: RedisConfig, config: ApiConfig):
+    def __init__(self, redis_config: RedisConfig, config: ApiConfig,
+                 metrics: Metrics | None = None):
         self.config = config
+        self.metrics = metrics or Metrics()
         self.redis_config = redis_config
         self.keys = Keys(redis_config.prefix)
         self.frontend_id = config.frontend_id or uuid.uuid4().hex[:12]
@@ -129,6 +132,8 @@ class Frontend:
         self.states[request_id] = state
         loop = asyncio.get_running_loop()
         expiry = loop.call_later(timeout_s, state.events.put_nowait, EXPIRED)
+        generation = self.metrics.generation(len(prompt_ids), is_streamed=stream_interval != 0)
+        outcome = "cancelled"  # unless it ends otherwise: the caller stopped reading
         try:
             async with asyncio.timeout_at(loop.time() + timeout_s):  # Redis down: no end
                 await retrying(lambda: self.client.add(self.keys.requests, submit), "submit")
@@ -138,12 +143,19 @@ class Frontend:
                     raise TimeoutError
                 if isinstance(event, Failed):
                     raise error_from_code(event.code, event.detail)
+                generation.delta(len(event.token_ids))
+                outcome = event.finish or outcome
                 yield event
                 if event.finish is not None:
                     return
         except TimeoutError:  # the submit's or the answer's
+            outcome = RequestTimeout.code
             raise RequestTimeout(f"no answer within {timeout_s:g} s") from None
+        except PipelineError as error:
+            outcome = error.code
+            raise
         finally:
+            generation.end(outcome)
             expiry.cancel()
             del self.states[request_id]
             if not state.finished:  # in a task of our own: the caller may be cancelled
@@ -205,6 +217,7 @@ class Frontend:
                                                output_ids=list(state.output_ids))
         state.early.clear()
         self.num_resubmits += 1
+        self.metrics.resubmits.inc()
         await retrying(lambda: self.client.add(self.keys.requests, state.submit), "resubmit")
 
     async def _refresh_liveness(self) -> None:

@@ -10,7 +10,8 @@ from contextlib import aclosing
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from api.protocol import GenerateRequest, NativeSampling
 from api.sampling import check_prompt, to_sampling
@@ -18,6 +19,7 @@ from api.served import Served, served
 from api.streaming import Choice, Event, EventStream, choice_events, collect, started
 from pipeline.errors import PipelineError
 from pipeline.messages import Sampling
+from pipeline.status import read_live_workers
 from pipeline.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -35,6 +37,20 @@ async def health(s: ServedDep):
         return JSONResponse({"status": "unavailable", "detail": detail}, status_code=503)
     return {"status": "ok", "model": s.model_name, "frontend_id": s.frontend.frontend_id,
             "in_flight": len(s.frontend.states)}
+
+
+@router.get("/metrics")
+async def metrics(s: ServedDep):
+    """Prometheus' text format: this api's own metrics, then the tier's, read from
+    the workers' liveness records; without Redis, the api's own alone."""
+    frontend = s.frontend
+    try:
+        async with asyncio.timeout(HEALTH_TIMEOUT_S):
+            workers = await read_live_workers(frontend.client.redis, frontend.keys.prefix)
+    except Exception:  # pipeline_redis_up 0; the api's own figures still say something
+        workers = None
+    return Response(frontend.metrics.render(workers, frontend.queue_depth),
+                    media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post("/generate")

@@ -30,6 +30,9 @@ class ApiConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     max_n: int = 8
     stream_interval: int = 1  # tokens a streamed delta carries; 1: each as it is made
+    # where --api-workers' processes keep their Prometheus metrics for /metrics to
+    # merge (set by pipeline.roles.run_api); None: one process, metrics in memory
+    metrics_dir: str | None = None
 
 
 @dataclass(frozen=True)

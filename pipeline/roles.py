@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
+import tempfile
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 from pipeline.config import Config
 from pipeline.models import ModelFiles, resolve_model
@@ -44,11 +47,20 @@ def run_api(config: Config, model: ModelFiles, api_workers: int) -> None:
     if api_workers > 1 and config.api.frontend_id is not None:
         raise ConfigError("--id names one frontend; it cannot be shared by --api-workers > 1")
 
+    metrics_dir = None
+    if api_workers > 1:  # each worker's metrics in files there, merged by any one's /metrics
+        metrics_dir = tempfile.mkdtemp(prefix="pipeline-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # read by prometheus_client
+        config = replace(config, api=replace(config.api, metrics_dir=metrics_dir))
     # uvicorn workers are fresh processes: each rebuilds the app from this variable
     os.environ["PIPELINE_CONFIG_JSON"] = config_to_json(config)
-    uvicorn.run("api.app:app_from_env", factory=True, host=config.api.host,
-                port=config.api.port, workers=api_workers if api_workers > 1 else None,
-                log_level="warning", timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run("api.app:app_from_env", factory=True, host=config.api.host,
+                    port=config.api.port, workers=api_workers if api_workers > 1 else None,
+                    log_level="warning", timeout_graceful_shutdown=5)
+    finally:
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
 def run_role(role: str, config: Config, api_workers: int = 1) -> None:

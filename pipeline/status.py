@@ -1,10 +1,12 @@
-"""`pipeline status`: every live worker of a tier, read from its liveness key."""
+"""`pipeline status` and the api's /metrics: every live worker of a tier, read
+from its liveness key."""
 
 from __future__ import annotations
 
 import json
 
 import redis
+import redis.asyncio
 from rich.console import Console
 from rich.table import Table
 
@@ -18,7 +20,26 @@ def live_workers(redis_url: str, prefix: str) -> list[dict]:
         values = client.mget(keys) if keys else []
     finally:
         client.close()
-    return [json.loads(v) for v in values if v]
+    return records(values)
+
+
+async def read_live_workers(client: redis.asyncio.Redis, prefix: str) -> list[dict]:
+    keys = sorted([key async for key in client.scan_iter(match=Keys(prefix).alive_pattern(),
+                                                          count=500)])
+    return records(await client.mget(keys) if keys else [])
+
+
+def records(values: list[bytes | None]) -> list[dict]:
+    """The liveness values that still exist and read as JSON objects."""
+    found = []
+    for value in values:
+        try:
+            record = json.loads(value) if value else None
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            found.append(record)
+    return found
 
 
 def print_status(redis_url: str, prefix: str) -> int:
@@ -33,6 +54,6 @@ def print_status(redis_url: str, prefix: str) -> int:
         table.add_column(column)
     for worker in workers:
         load = {k: v for k, v in worker.items() if k not in ("role", "id", "at")}
-        table.add_row(worker["role"], worker["id"], json.dumps(load))
+        table.add_row(str(worker.get("role")), str(worker.get("id")), json.dumps(load))
     console.print(table)
     return 0

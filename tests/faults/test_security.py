@@ -23,6 +23,10 @@ def test_every_role_serves_with_only_its_documented_acl(own_redis7, make_tier):
     tier.wait_ready()
     body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
     assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+    # /metrics reads every worker's liveness record with the api's own user
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+    assert "pipeline_redis_up 1.0" in metrics
+    assert 'pipeline_workers{role="scheduler"} 1.0' in metrics
     api_user = redis.Redis.from_url(as_role["api"])
     with pytest.raises(redis.exceptions.NoPermissionError):
         api_user.xrange(f"{tier.prefix}:tokens")
