@@ -126,7 +126,7 @@ def tier_families(workers: list[dict] | None, queued_requests: int) -> list[Metr
                                  "read the tier's state", value=int(workers is not None))
     workers = workers or []
     roles = GaugeMetricFamily("pipeline_workers", "Live workers, by role", labels=["role"])
-    for role, count in sorted(Tally(w.get("role", "unknown") for w in workers).items()):
+    for role, count in sorted(Tally(str(w.get("role")) for w in workers).items()):
         roles.add_metric([role], count)
     queued = GaugeMetricFamily("pipeline_queued_requests",
                                "Requests no scheduler has admitted yet, tier-wide",
@@ -135,7 +135,7 @@ def tier_families(workers: list[dict] | None, queued_requests: int) -> list[Metr
                                   "Requests in flight, by api frontend", labels=["frontend"])
     for worker in workers:
         if worker.get("role") == "api" and _is_number(worker.get("in_flight")):
-            in_flight.add_metric([str(worker["id"])], worker["in_flight"])
+            in_flight.add_metric([str(worker.get("id"))], worker["in_flight"])
     schedulers = [w for w in workers if w.get("role") == "scheduler"]
     return [redis_up, roles, queued, in_flight, *_scheduler_families(schedulers)]
 
@@ -146,7 +146,7 @@ def _scheduler_families(schedulers: list[dict]) -> Iterable[Metric]:
         family = kind(f"pipeline_scheduler_{name}", text, labels=["scheduler"])
         for scheduler in schedulers:
             if _is_number(value := scheduler.get(field)):
-                family.add_metric([str(scheduler["id"])], value * scale)
+                family.add_metric([str(scheduler.get("id"))], value * scale)
         yield family
 
 

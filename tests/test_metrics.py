@@ -10,7 +10,7 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.metrics import tier_families
+from api.metrics import Metrics, tier_families
 from pipeline.embedded_redis import EmbeddedRedis
 from pipeline.status import records
 from tests.harness import free_port
@@ -104,13 +104,18 @@ async def test_metrics_need_the_api_key_and_say_when_redis_is_gone(prefix, model
 def test_malformed_liveness_records_are_skipped_not_a_failed_scrape():
     found = records([b"not json", b"[1, 2]", None, b'{"role": "api", "id": "a", '
                      b'"in_flight": "many"}', b'{"role": "scheduler", "id": "s", '
-                     b'"num_running": 3, "busy": null, "num_blocks": true}'])
-    assert [r["role"] for r in found] == ["api", "scheduler"]
+                     b'"num_running": 3, "busy": null, "num_blocks": true}',
+                     b'{"role": ["odd"], "num_running": 1}', b'{"role": "scheduler"}'])
+    assert len(found) == 4
     by_name = {family.name: family for family in tier_families(found, 0)}
     assert [s.value for s in by_name["pipeline_api_in_flight_requests"].samples] == []
+    assert [(s.labels, s.value) for s in by_name["pipeline_workers"].samples] == [
+        ({"role": "['odd']"}, 1), ({"role": "api"}, 1), ({"role": "scheduler"}, 2)]
     assert [s.value for s in by_name["pipeline_scheduler_running_requests"].samples] == [3]
     assert by_name["pipeline_scheduler_busy_ratio"].samples == []
     assert by_name["pipeline_scheduler_kv_blocks"].samples == []
+    text = Metrics().render(found, 0).decode()
+    assert 'pipeline_workers{role="scheduler"} 2.0' in text.splitlines()
 
 
 def test_api_workers_share_their_counts_and_clean_up_after(tier):
