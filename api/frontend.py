@@ -106,7 +106,9 @@ class Frontend:
     async def _say_goodbye(self) -> None:
         await self.client.add(self.keys.control, FrontendGone(self.reply_to),
                               maxlen=CONTROL_MAXLEN)
-        await self.client.redis.delete(self.reply_to, self.keys.alive("api", self.frontend_id))
+        alive = self.keys.alive("api", self.frontend_id)
+        await self.client.redis.delete(self.reply_to, alive)
+        await self.client.redis.zrem(self.keys.workers, alive)
 
     async def generate(
         self, prompt_ids: list[int], sampling: Sampling, request_id: str | None = None,
@@ -224,7 +226,8 @@ class Frontend:
         ttl_s = self.redis_config.alive_ttl_s
         info = {"role": "api", "id": self.frontend_id, "in_flight": len(self.states),
                 "reply_to": self.reply_to, "stream_interval": self.config.stream_interval}
-        await self.client.heartbeat(self.keys.alive("api", self.frontend_id), info, ttl_s)
+        await self.client.heartbeat(self.keys.alive("api", self.frontend_id), info, ttl_s,
+                                    self.keys.workers)
         # a dead frontend's reply stream expires by itself
         if not await self.client.redis.pexpire(self.reply_to, int(ttl_s * 1000) * 6):
             await self._recover_lost_data()

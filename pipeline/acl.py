@@ -4,17 +4,18 @@
 from __future__ import annotations
 
 _COMMON = ["ping", "hello", "client|setname", "info", "select",
-           "set", "exists", "get", "mget", "scan", "xinfo", "xrange", "xrevrange", "xlen"]
+           "set", "exists", "get", "mget", "xinfo", "xrange", "xrevrange", "xlen",
+           "zadd", "zrem", "zrangebyscore", "zremrangebyscore"]  # the workers index
 _GROUP_READER = ["xreadgroup", "xack", "xgroup", "xclaim", "xpending", "xtrim",
                  "multi", "exec", "discard"]  # writes and their acks go as one MULTI/EXEC
 
 ROLES: dict[str, tuple[list[str], list[str]]] = {
     # role: (key patterns under the prefix, commands)
-    "api": (["requests", "control", "replies:*", "alive:*"],
+    "api": (["requests", "control", "replies:*", "alive:*", "workers"],
             _COMMON + ["xadd", "xread", "pexpire", "del"]),
-    "scheduler": (["requests", "control", "tokens", "alive:*", "admitted:*", "dead"],
+    "scheduler": (["requests", "control", "tokens", "alive:*", "workers", "admitted:*", "dead"],
                   _COMMON + _GROUP_READER + ["xadd", "xread"]),
-    "detokenizer": (["tokens", "replies:*", "alive:*", "dead"],
+    "detokenizer": (["tokens", "replies:*", "alive:*", "workers", "dead"],
                     _COMMON + _GROUP_READER + ["xadd"]),
 }
 

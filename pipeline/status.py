@@ -4,29 +4,32 @@ from its liveness key."""
 from __future__ import annotations
 
 import json
+import time
 
 import redis
 import redis.asyncio
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.streams import Keys
+from pipeline.streams import WORKERS_KEPT_S, Keys
 
 
 def live_workers(redis_url: str, prefix: str) -> list[dict]:
     client = redis.Redis.from_url(redis_url, socket_timeout=5)
     try:
-        keys = sorted(client.scan_iter(match=Keys(prefix).alive_pattern(), count=500))
-        values = client.mget(keys) if keys else []
+        keys = client.zrangebyscore(Keys(prefix).workers, time.time() - WORKERS_KEPT_S, "+inf")
+        values = client.mget(sorted(keys)) if keys else []
     finally:
         client.close()
     return records(values)
 
 
 async def read_live_workers(client: redis.asyncio.Redis, prefix: str) -> list[dict]:
-    keys = sorted([key async for key in client.scan_iter(match=Keys(prefix).alive_pattern(),
-                                                          count=500)])
-    return records(await client.mget(keys) if keys else [])
+    """As live_workers, on the caller's client: the alive keys the index has
+    seen lately, read in one MGET (an expired one reads as nothing)."""
+    keys = await client.zrangebyscore(Keys(prefix).workers, time.time() - WORKERS_KEPT_S,
+                                      "+inf")
+    return records(await client.mget(sorted(keys)) if keys else [])
 
 
 def records(values: list[bytes | None]) -> list[dict]:

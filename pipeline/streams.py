@@ -5,6 +5,8 @@
     {prefix}:tokens            TokenBatch   scheduler -> group "detokenizers", one per model step
     {prefix}:replies:{front}   ReplyBatch   detokenizer -> the one api worker owning the request
     {prefix}:alive:{role}:{id} JSON         every worker's heartbeat, short TTL
+    {prefix}:workers           sorted set   the alive keys, scored by their last heartbeat:
+                                            where status and /metrics find them (no SCAN)
     {prefix}:dead              DeadLetter   any worker, with the reason
 """
 
@@ -22,6 +24,9 @@ from pipeline.messages import FIELD, encode
 
 SCHEDULERS = "schedulers"
 DETOKENIZERS = "detokenizers"
+# a worker silent this long leaves Keys.workers; readers look back as far, so
+# hosts' clocks may differ by less than this
+WORKERS_KEPT_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -49,8 +54,9 @@ class Keys:
     def alive(self, role: str, worker_id: str) -> str:
         return f"{self.prefix}:alive:{role}:{worker_id}"
 
-    def alive_pattern(self, role: str = "*") -> str:
-        return f"{self.prefix}:alive:{role}:*"
+    @property
+    def workers(self) -> str:
+        return f"{self.prefix}:workers"
 
     @property
     def dead_letters(self) -> str:
@@ -231,8 +237,15 @@ class StreamClient:
         info = await self.redis.xrevrange(stream, count=1)
         return info[0][0].decode() if info else "0-0"
 
-    async def heartbeat(self, key: str, info: dict, ttl_s: float) -> None:
-        await self.redis.set(key, json.dumps(info | {"at": time.time()}), px=int(ttl_s * 1000))
+    async def heartbeat(self, key: str, info: dict, ttl_s: float, index: str) -> None:
+        """The liveness key, and its place in `index` (Keys.workers), whose members
+        of over WORKERS_KEPT_S ago are dropped: the key's TTL says who is alive."""
+        now = time.time()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(key, json.dumps(info | {"at": now}), px=int(ttl_s * 1000))
+            pipe.zadd(index, {key: now})
+            pipe.zremrangebyscore(index, "-inf", now - WORKERS_KEPT_S)
+            await pipe.execute()
 
     async def dead_letter(self, stream: str, entry_id: str, raw: bytes, reason: str,
                           dead_key: str) -> None:

@@ -45,7 +45,7 @@ async def heartbeat_forever(client: StreamClient, keys: Keys, role: str, worker_
     while True:
         try:
             await client.heartbeat(key, {"role": role, "id": worker_id} | info(),
-                                   config.alive_ttl_s)
+                                   config.alive_ttl_s, keys.workers)
         except REDIS_DOWN as error:
             log.warning("%s heartbeat failed: %s", worker_id, error)
         await asyncio.sleep(config.heartbeat_s)

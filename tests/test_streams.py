@@ -4,13 +4,16 @@ the RESP it packs."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import redis
 from redis.exceptions import ResponseError
 
+from pipeline.embedded_redis import EmbeddedRedis
 from pipeline.messages import FIELD, Cancel, Delta, ReplyBatch, replies_decoder
-from pipeline.streams import MAX_CONNECTIONS, StreamClient, resp
+from pipeline.status import live_workers, read_live_workers
+from pipeline.streams import MAX_CONNECTIONS, WORKERS_KEPT_S, Keys, StreamClient, resp
 
 
 @pytest.fixture
@@ -88,3 +91,37 @@ def test_resp_is_what_redis_py_sends(redis_url):
     assert resp(commands) == b"".join(connection.pack_commands(commands))
     with pytest.raises(TypeError):
         resp([("SET", "k", 1.5)])
+
+
+async def test_live_workers_come_from_the_index_without_a_scan(prefix):
+    """A Redis shared with many other keys: status reads the workers index and one
+    MGET (no SCAN); an expired key reads as gone; a member silent past
+    WORKERS_KEPT_S leaves the index at the next heartbeat."""
+    server = EmbeddedRedis()
+    url = server.start()
+    client = StreamClient(url, block_ms=50)
+    try:
+        keys = Keys(prefix)
+        await client.redis.mset({f"other-tenant:{i}": i for i in range(5000)})
+        for role, ttl_s in (("scheduler", 30.0), ("api", 0.2)):
+            await client.heartbeat(keys.alive(role, f"{role}-1"), {"role": role, "id": f"{role}-1"},
+                                   ttl_s, keys.workers)
+        stale = keys.alive("detokenizer", "long-gone")
+        await client.redis.zadd(keys.workers, {stale: time.time() - WORKERS_KEPT_S - 60})
+        scans = _calls(url, "scan")
+        assert sorted(w["role"] for w in live_workers(url, prefix)) == ["api", "scheduler"]
+        await asyncio.sleep(0.3)  # the api's key expires
+        assert [w["role"] for w in await read_live_workers(client.redis, prefix)] == ["scheduler"]
+        assert _calls(url, "scan") == scans
+        assert await client.redis.zscore(keys.workers, stale) is not None
+        await client.heartbeat(keys.alive("scheduler", "scheduler-1"),
+                               {"role": "scheduler", "id": "scheduler-1"}, 30.0, keys.workers)
+        assert await client.redis.zscore(keys.workers, stale) is None
+    finally:
+        await client.close()
+        server.stop()
+
+
+def _calls(url: str, command: str) -> int:
+    stats = redis.Redis.from_url(url).info("commandstats")
+    return stats.get(f"cmdstat_{command}", {}).get("calls", 0)
