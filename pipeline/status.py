@@ -15,10 +15,15 @@ from pipeline.streams import WORKERS_KEPT_S, Keys
 
 
 def live_workers(redis_url: str, prefix: str) -> list[dict]:
+    """Every live worker's record, found through the workers index; where the
+    index is empty, by a SCAN: a tier whose workers predate the index."""
     client = redis.Redis.from_url(redis_url, socket_timeout=5)
+    keys = Keys(prefix)
     try:
-        keys = client.zrangebyscore(Keys(prefix).workers, time.time() - WORKERS_KEPT_S, "+inf")
-        values = client.mget(sorted(keys)) if keys else []
+        found = client.zrangebyscore(keys.workers, time.time() - WORKERS_KEPT_S, "+inf")
+        if not found:
+            found = list(client.scan_iter(match=f"{keys.prefix}:alive:*", count=1000))
+        values = client.mget(sorted(found)) if found else []
     finally:
         client.close()
     return records(values)

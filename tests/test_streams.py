@@ -4,6 +4,7 @@ the RESP it packs."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -120,6 +121,15 @@ async def test_live_workers_come_from_the_index_without_a_scan(prefix):
     finally:
         await client.close()
         server.stop()
+
+
+def test_a_tier_older_than_the_index_is_still_found(redis_url, prefix):
+    """Workers that predate the index only set their liveness keys: with the index
+    empty, `pipeline status` looks for those keys instead."""
+    admin = redis.Redis.from_url(redis_url)
+    admin.set(Keys(prefix).alive("scheduler", "old-1"),
+              json.dumps({"role": "scheduler", "id": "old-1"}), px=30_000)
+    assert [w["id"] for w in live_workers(redis_url, prefix)] == ["old-1"]
 
 
 def _calls(url: str, command: str) -> int:
