@@ -22,7 +22,7 @@ def live_workers(redis_url: str, prefix: str) -> list[dict]:
     try:
         found = client.zrangebyscore(keys.workers, time.time() - WORKERS_KEPT_S, "+inf")
         if not found:
-            found = list(client.scan_iter(match=f"{keys.prefix}:alive:*", count=1000))
+            found = list(client.scan_iter(match=keys.alive_pattern(), count=1000))
         values = client.mget(sorted(found)) if found else []
     finally:
         client.close()

@@ -54,6 +54,9 @@ class Keys:
     def alive(self, role: str, worker_id: str) -> str:
         return f"{self.prefix}:alive:{role}:{worker_id}"
 
+    def alive_pattern(self, role: str = "*") -> str:
+        return f"{self.prefix}:alive:{role}:*"
+
     @property
     def workers(self) -> str:
         return f"{self.prefix}:workers"
