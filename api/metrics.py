@@ -90,8 +90,7 @@ class Metrics:
     def render(self, workers: list[dict] | None, queued_requests: int) -> bytes:
         """The exposition text: this process's (or every worker's) metrics, then
         the tier's from `workers` (pipeline.status.records; None: Redis unreachable)."""
-        tier = CollectorRegistry(auto_describe=False)
-        tier.register(_Snapshot(tier_families(workers, queued_requests)))
+        tier = _Snapshot(tier_families(workers, queued_requests))
         return generate_latest(self.registry) + generate_latest(tier)
 
 
@@ -155,7 +154,7 @@ def _is_number(value: object) -> bool:
 
 
 class _Snapshot:
-    """A collector of families already made."""
+    """Families already made, as generate_latest reads a registry."""
 
     def __init__(self, families: list[Metric]):
         self.families = families

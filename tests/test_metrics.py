@@ -3,7 +3,6 @@ tier serves them, the tier's state from Redis, merged over --api-workers."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
@@ -13,7 +12,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from api.metrics import Metrics, tier_families
 from pipeline.embedded_redis import EmbeddedRedis
 from pipeline.status import records
-from tests.harness import free_port
 from tests.test_api_validation import serving
 
 
@@ -120,21 +118,24 @@ def test_malformed_liveness_records_are_skipped_not_a_failed_scrape():
 
 def test_api_workers_share_their_counts_and_clean_up_after(tier):
     """Whichever of --api-workers 2 answers a scrape, it counts both workers' requests."""
-    proc = tier.start("api", port=(port := free_port()), **{"api-workers": 2})
-    base_url = f"http://127.0.0.1:{port}"
+    base_url = tier.start_api(**{"api-workers": 2})
+    proc = tier.procs[-1]
     try:
-        _wait_healthy(base_url)
+        tier.wait_ready()
         body = {"prompt": "Hello", "max_tokens": 2, "ignore_eos": True}
-        frontends = set()
-        for _ in range(8):  # a fresh connection each: the workers take turns accepting
+        frontends, sent = set(), 0
+        # a fresh connection each, until both workers have answered (the second may
+        # still be starting when the port first answers /health)
+        while len(frontends) < 2 and sent < 60:
             response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
             assert response.status_code == 200
             frontends.add(response.headers["x-pipeline-frontend"])
+            sent += 1
         scraped_by = set()
         for _ in range(30):
             found, frontend = scrape(base_url)
             scraped_by.add(frontend)
-            assert value(found, "pipeline_generations_total", outcome="length") == 8
+            assert value(found, "pipeline_generations_total", outcome="length") == sent
             assert value(found, "pipeline_workers", role="api") >= 2
             if len(scraped_by) == 2:
                 break
@@ -146,17 +147,8 @@ def test_api_workers_share_their_counts_and_clean_up_after(tier):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
-        tier.procs.remove(proc)  # the session's tier checks its processes are all up
+        # the session's tier checks that its processes and apis are all up
+        tier.procs.remove(proc)
+        tier.api_ports.pop()
     assert not next(iter(folders)).exists()
 
-
-def _wait_healthy(base_url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{base_url} not healthy after {timeout_s} s")
