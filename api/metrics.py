@@ -17,6 +17,7 @@ from prometheus_client.process_collector import ProcessCollector
 # a route outside these is counted as "other": a scan of random paths adds no series
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/generate",
                     "/health", "/metrics"})
+MODEL = "/v1/models/{model}"  # one label for every id asked for
 SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TOKEN_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0)
 
@@ -79,7 +80,7 @@ class Metrics:
                                  registry=own)
 
     def http(self, path: str, code: int, seconds: float) -> None:
-        route = path if path in ROUTES else "other"
+        route = path if path in ROUTES else MODEL if path.startswith("/v1/models/") else "other"
         self.http_requests.labels(route, str(code)).inc()
         self.http_seconds.labels(route).observe(seconds)
 

@@ -1,4 +1,5 @@
-# The OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions.
+# The OpenAI-compatible routes: /v1/models (and one model by id), /v1/chat/completions,
+# /v1/completions.
 # Each checks and tokenizes its request, then runs n choices through the Frontend.
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 
-from api.protocol import ChatMessage, ChatRequest, CompletionRequest, OpenAIRequest
+from api.protocol import ChatMessage, ChatRequest, CompletionRequest, ContentPart, OpenAIRequest
 from api.responses import Job, stream_chunks, whole_response
 from api.sampling import check_prompt, to_sampling
 from api.served import Served, served
@@ -23,10 +24,18 @@ ServedDep = Annotated[Served, Depends(served)]
 
 @router.get("/v1/models")
 async def list_models(s: ServedDep) -> dict:
-    return {"object": "list", "data": [{
-        "id": s.model_name, "object": "model", "created": 0, "owned_by": "redis-pipeline",
-        "max_model_len": s.limits.context_len,
-    }]}
+    return {"object": "list", "data": [_model(s)]}
+
+
+@router.get("/v1/models/{model:path}")  # :path, as a model id may hold a slash ("org/name")
+async def retrieve_model(model: str, s: ServedDep) -> dict:
+    s.check_model(model)
+    return _model(s)
+
+
+def _model(s: Served) -> dict:
+    return {"id": s.model_name, "object": "model", "created": 0, "owned_by": "redis-pipeline",
+            "max_model_len": s.limits.context_len}
 
 
 @router.post("/v1/chat/completions")
@@ -36,7 +45,8 @@ async def chat_completions(body: ChatRequest, request: Request, s: ServedDep):
         raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
     if not body.messages:
         raise InvalidRequest("messages must not be empty", param="messages")
-    text = s.tokenizer.apply_chat_template([_template_message(m) for m in body.messages])
+    text = s.tokenizer.apply_chat_template([_template_message(m, i)
+                                            for i, m in enumerate(body.messages)])
     prompt_ids = check_prompt(s.tokenizer.encode(text), s.limits, "messages")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     sampling = to_sampling(body, num_prompt_tokens=len(prompt_ids), limits=s.limits,
@@ -62,13 +72,23 @@ def _check_common(body: OpenAIRequest, s: Served) -> None:
         raise InvalidRequest(f"{field} is not supported by this server", param=field)
 
 
-def _template_message(message: ChatMessage) -> dict:
-    # parts are joined by newlines, as vLLM does for text-only models
+def _template_message(message: ChatMessage, index: int) -> dict:
     content = message.content
     if not isinstance(content, str):
-        content = "\n".join(part.text for part in content)
+        content = "\n".join(_part_text(part, f"messages[{index}].content[{j}]")
+                            for j, part in enumerate(content))
     role = "system" if message.role == "developer" else message.role  # OpenAI's newer name
     return {"role": role, "content": content} | ({"name": message.name} if message.name else {})
+
+
+def _part_text(part: ContentPart, param: str) -> str:
+    # parts are joined by newlines, as vLLM does for text-only models
+    if part.type != "text":
+        raise InvalidRequest(f"content parts of type {part.type!r} are not supported: "
+                             "this model reads text", param=f"{param}.type")
+    if part.text is None:
+        raise InvalidRequest("a text part needs its text", param=f"{param}.text")
+    return part.text
 
 
 def _prompt_ids(prompt: str | list[str] | list[int] | list[list[int]], s: Served) -> list[int]:

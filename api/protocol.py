@@ -56,18 +56,21 @@ class OpenAIRequest(SamplingFields):
         return None
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True)
+class ContentPart(BaseModel):
+    """A message's content part. Text is the one type a text model reads; the route
+    refuses any other by its name (image_url, input_audio...), not as a shape error."""
 
-    type: Literal["text"]
-    text: str
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[ContentPart]
     name: str | None = None
 
 

@@ -85,7 +85,7 @@ async def test_non_utf8_bytes_are_a_400(client):
     (CHAT, "messages", "Hello!", "messages"),
     (CHAT, "messages", [{"role": "wizard", "content": "hi"}], "messages[0].role"),
     (CHAT, "messages", [{"role": "user"}], "messages[0].content"),
-    (CHAT, "messages", [{"role": "user", "content": [{"type": "image_url"}]}],
+    (CHAT, "messages", [{"role": "user", "content": [{"text": "hi"}]}],
      "messages[0].content"),
     (CHAT, "logprobs", 3, "logprobs"),
 ])
@@ -223,6 +223,29 @@ async def test_models_lists_the_served_model_with_its_context(client):
     [model] = response.json()["data"]
     assert model["id"] == "SmolLM2-135M-Instruct"
     assert model["object"] == "model" and model["max_model_len"] == CONTEXT
+
+
+async def test_a_model_is_retrieved_by_its_id_and_an_unknown_one_is_a_404(client):
+    response = await client.get("/v1/models/SmolLM2-135M-Instruct")
+    assert response.status_code == 200
+    assert response.json() == (await client.get("/v1/models")).json()["data"][0]
+    error = assert_openai_error(await client.get("/v1/models/org/other-model"), 404,
+                                "model_not_found", "model")
+    assert "org/other-model" in error["message"]
+
+
+@pytest.mark.parametrize(("part", "param", "words"), [
+    ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+     "messages[1].content[1].type", "'image_url'"),
+    ({"type": "input_audio"}, "messages[1].content[1].type", "'input_audio'"),
+    ({"type": "text"}, "messages[1].content[1].text", "needs its text"),
+])
+async def test_a_content_part_the_model_cannot_read_is_refused_by_name(client, part, param,
+                                                                     words):
+    messages = [*HELLO, {"role": "user", "content": [{"type": "text", "text": "see"}, part]}]
+    error = assert_openai_error(await client.post(CHAT, json={"messages": messages}), 400,
+                                "invalid_request", param)
+    assert words in error["message"]
 
 
 async def test_health_is_200_and_every_response_names_its_frontend(client):

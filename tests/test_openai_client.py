@@ -8,6 +8,7 @@ import openai
 def test_openai_client_streams_and_completes_identically(tier):
     client = openai.OpenAI(base_url=f"{tier.base_url}/v1", api_key="unused", timeout=120)
     [model] = [m.id for m in client.models.list().data]
+    assert client.models.retrieve(model).id == model
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     whole = client.chat.completions.create(model=model, messages=messages, temperature=0,
                                            max_tokens=20)
