@@ -216,11 +216,13 @@ def _with_worker_id(config: Config, role: Role, worker_id: str | None) -> Config
 
 
 @app.command()
-def status(redis_url: RedisUrl = "redis://127.0.0.1:6379/0", prefix: Prefix = "pipeline") -> None:
-    """Show the live workers of a tier and their load."""
+def status(redis_url: RedisUrl = "redis://127.0.0.1:6379/0", prefix: Prefix = "pipeline",
+           json: Annotated[bool, typer.Option(  # noqa: A002 (the flag's name)
+               "--json", help="One JSON object: every live worker's record.")] = False) -> None:
+    """Show the live workers of a tier, their load, and the requests queued."""
     from pipeline.status import print_status
 
-    raise typer.Exit(print_status(redis_url or "redis://127.0.0.1:6379/0", prefix))
+    raise typer.Exit(print_status(redis_url or "redis://127.0.0.1:6379/0", prefix, json))
 
 
 @app.command()

@@ -107,19 +107,21 @@ def _id_key(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-async def queue_depth(client: StreamClient, stream: str, group: str, limit: int) -> int:
+async def queue_depth(client: StreamClient, stream: str, group: str, limit: int,
+                      exact: bool = False) -> int:
     """Entries not yet delivered to any consumer of `group`, exact from `limit` on
     (where it is capped at limit + 1), so `depth >= limit` is always right. Below
     it, on Redis 6 (no lag), the stream's length less the group's pending entries,
     which counts acked ones not yet trimmed too: read without fetching an entry,
-    where counting them fetched every queued prompt every time."""
+    where counting them fetched every queued prompt every time. `exact`: fetch
+    them (up to limit + 1) on Redis 6 too, for a count read once, not polled."""
     for info in await client.redis.xinfo_groups(stream):
         if _text(info["name"]) != group:
             continue
         if info.get("lag") is not None:  # Redis 7+: the server counts it
             return int(info["lag"])
         at_most = await client.redis.xlen(stream) - int(info["pending"])
-        if at_most < limit:
+        if at_most < limit and not exact:
             return max(0, at_most)
         ms, seq = _id_key(_text(info["last-delivered-id"]))
         after = await client.redis.xrange(stream, min=f"{ms}-{seq + 1}", max="+",

@@ -3,15 +3,20 @@ from its liveness key."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
 import time
+from collections.abc import Callable
 
 import redis
 import redis.asyncio
+from rich import box
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
-from pipeline.streams import WORKERS_KEPT_S, Keys
+from pipeline.recovery import queue_depth
+from pipeline.streams import SCHEDULERS, WORKERS_KEPT_S, Keys, StreamClient
 
 
 def live_workers(redis_url: str, prefix: str) -> list[dict]:
@@ -50,18 +55,103 @@ def records(values: list[bytes | None]) -> list[dict]:
     return found
 
 
-def print_status(redis_url: str, prefix: str) -> int:
-    console = Console()
+def queued_requests(redis_url: str, prefix: str) -> int:
+    """Requests no scheduler has admitted yet, exact up to QUEUE_LIMIT (capped
+    at QUEUE_LIMIT + 1): Redis 7 counts them, on Redis 6 they are fetched."""
+    async def read() -> int:
+        client = StreamClient(redis_url)
+        try:
+            return await queue_depth(client, Keys(prefix).requests, SCHEDULERS, QUEUE_LIMIT,
+                                     exact=True)
+        except redis.ResponseError as error:  # no stream yet: no api has started
+            if "no such key" in str(error).lower():
+                return 0
+            raise
+        finally:
+            await client.close()
+
+    return asyncio.run(read())
+
+
+def print_status(redis_url: str, prefix: str, as_json: bool = False) -> int:
+    """The tier's live workers, a table a role; `as_json`: one JSON object for
+    scripts ({"prefix", "queued_requests", "workers": [every liveness record]})."""
+    console = Console(width=None if sys.stdout.isatty() else 160)  # piped: rows whole
     try:
         workers = live_workers(redis_url, prefix)
+        queued = queued_requests(redis_url, prefix)
     except redis.RedisError as error:
         console.print(f"[red]cannot reach Redis at {redis_url}: {error}[/red]")
         return 1
-    table = Table(title=f"tier {prefix!r}: {len(workers)} live workers")
-    for column in ("role", "id", "load"):
-        table.add_column(column)
-    for worker in workers:
-        load = {k: v for k, v in worker.items() if k not in ("role", "id", "at")}
-        table.add_row(str(worker.get("role")), str(worker.get("id")), json.dumps(load))
-    console.print(table)
+    if as_json:
+        print(json.dumps({"prefix": prefix, "queued_requests": queued, "workers": workers}))
+        return 0
+    by_role: dict[str, list[dict]] = {}
+    for worker in sorted(workers, key=lambda w: str(w.get("id"))):
+        by_role.setdefault(str(worker.get("role")), []).append(worker)
+    counts = ", ".join(f"{len(by_role.get(r, []))} {r}" for r in ROLES)
+    shown = f"over {QUEUE_LIMIT}" if queued > QUEUE_LIMIT else str(queued)
+    console.print(f"tier {prefix!r}: {counts} live; {shown} requests queued")
+    for role in ROLES:
+        if role not in by_role:
+            console.print(f"[red]no live {role}: {MISSING[role]}[/red]")
+    seen = _seen(time.time())
+    tables = [(role, role, {"seen": seen} | COLUMNS.get(role, {"record": _other}))
+              for role in by_role] + [("scheduler", "engines and caches", ENGINE)]
+    for role, title, columns in tables:
+        if role not in by_role:
+            continue
+        # narrow terminals wrap a cell rather than cut it; an id stays whole
+        table = Table(Column("id", no_wrap=True), *(Column(c, overflow="fold") for c in columns),
+                      title=title, title_justify="left", box=box.SIMPLE_HEAD)
+        for worker in by_role[role]:
+            table.add_row(str(worker.get("id")), *(show(worker) for show in columns.values()))
+        console.print(table)
     return 0
+
+
+def _seen(now: float) -> Callable[[dict], str]:
+    """How long ago the worker's last heartbeat was."""
+    def show(worker: dict) -> str:
+        at = worker.get("at")
+        return f"{now - at:.1f} s" if isinstance(at, (int, float)) else "-"
+
+    return show
+
+
+def _field(name: str, unit: str = "", scale: float = 1) -> Callable[[dict], str]:
+    def show(worker: dict) -> str:
+        value = worker.get(name)
+        if isinstance(value, float):
+            value = f"{value * scale:.3g}"
+        return "-" if value is None else f"{value}{unit}"
+
+    return show
+
+
+def _kv(worker: dict) -> str:
+    free, total = worker.get("num_free_blocks"), worker.get("num_blocks")
+    return f"{free}/{total}" if free is not None and total else "-"
+
+
+def _other(worker: dict) -> str:
+    return json.dumps({k: v for k, v in worker.items() if k not in ("role", "id", "at")})
+
+
+ROLES = ("api", "scheduler", "detokenizer")
+MISSING = {"api": "nothing takes HTTP requests",
+           "scheduler": "requests queue until one joins",
+           "detokenizer": "tokens wait in their stream until one joins"}
+COLUMNS: dict[str, dict[str, Callable[[dict], str]]] = {
+    "api": {"in flight": _field("in_flight"), "stream interval": _field("stream_interval")},
+    "scheduler": {
+        "run": _field("num_running"), "wait": _field("num_waiting"), "KV free": _kv,
+        "tok/s": _field("output_tokens_per_s"), "step p50": _field("step_ms_p50", " ms"),
+        "busy": _field("busy", "%", 100)},
+    "detokenizer": {"batches": _field("batches")},
+}
+ENGINE = {name: _field(key) for name, key in (
+    ("device", "device"), ("dtype", "dtype"), ("4-bit matmul", "4bit_matmul"),
+    ("attention", "attention"), ("KV cache", "kv_cache_dtype"),
+    ("prefix hits", "num_prefix_hit_tokens"), ("preempted", "num_preemptions"))}
+QUEUE_LIMIT = 10_000

@@ -100,10 +100,10 @@ def test_the_queue_depth_decides_overload_exactly_on_either_redis(own_redis):
     def ranges_read() -> int:
         return plain.info("commandstats").get("cmdstat_xrange", {}).get("calls", 0)
 
-    async def depth(limit: int) -> int:
+    async def depth(limit: int, exact: bool = False) -> int:
         client = StreamClient(own_redis.url)
         try:
-            return await queue_depth(client, "q", "g", limit)
+            return await queue_depth(client, "q", "g", limit, exact)
         finally:
             await client.close()
 
@@ -113,3 +113,6 @@ def test_the_queue_depth_decides_overload_exactly_on_either_redis(own_redis):
         assert (found >= limit) == (7 >= limit) and found <= 8, (limit, found)
         if limit > 8:  # under the limit by length less pending: no entry is read
             assert ranges_read() == before
+    # exact (`pipeline status`): the 7 on either Redis up to the limit; past it, more
+    assert [asyncio.run(depth(limit, exact=True)) for limit in (100, 7)] == [7, 7]
+    assert asyncio.run(depth(5, exact=True)) > 5
