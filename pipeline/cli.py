@@ -17,6 +17,7 @@ import typer
 
 from pipeline.bench import bench_command
 from pipeline.config import ApiConfig, Config, RedisConfig, SchedulerConfig
+from pipeline.errors import ConfigError
 from pipeline.models import DEFAULT_MODEL
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -241,7 +242,11 @@ app.command("bench")(bench_command)
 
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    app()
+    try:
+        app()
+    except ConfigError as error:  # the user's settings: one line, not a traceback
+        typer.echo(f"error: {error.detail}", err=True)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

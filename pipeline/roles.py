@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
@@ -47,6 +48,10 @@ def run_api(config: Config, model: ModelFiles, api_workers: int) -> None:
     if api_workers > 1 and config.api.frontend_id is not None:
         raise ConfigError("--id names one frontend; it cannot be shared by --api-workers > 1")
 
+    try:
+        _wait_for_redis(config.redis.url)
+    except KeyboardInterrupt:  # Ctrl-C while waiting: a stop, not a crash
+        return
     metrics_dir = None
     if api_workers > 1:  # each worker's metrics in files there, merged by any one's /metrics
         metrics_dir = tempfile.mkdtemp(prefix="pipeline-metrics-")
@@ -61,6 +66,29 @@ def run_api(config: Config, model: ModelFiles, api_workers: int) -> None:
     finally:
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _wait_for_redis(url: str) -> None:
+    """Until Redis answers a PING, as the other roles wait to join: an api started
+    before its Redis (no compose healthcheck, a pod) comes up when Redis does.
+    Here, before uvicorn takes SIGTERM and SIGINT: its startup ignores them, so a
+    wait in the app's lifespan could not be stopped."""
+    import redis
+
+    from pipeline.worker import REDIS_DOWN, backoff_s
+
+    failures = 0
+    while True:
+        client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+        try:
+            client.ping()
+            return
+        except REDIS_DOWN as error:
+            failures += 1
+            log.warning("api start: Redis unavailable (%s); retrying", error)
+            time.sleep(backoff_s(failures))
+        finally:
+            client.close()
 
 
 def run_role(role: str, config: Config, api_workers: int = 1) -> None:

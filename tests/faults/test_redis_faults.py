@@ -4,14 +4,17 @@ empty. No worker exits; every request accepted by a live frontend completes."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 
 import pytest
 from redis.exceptions import ResponseError
 
+from pipeline.embedded_redis import redis_server_binary
 from pipeline.messages import FIELD, Delta, ReplyBatch
 from pipeline.streams import StreamClient
 from tests.faults.clients import prompts, report, stream_many
+from tests.faults.conftest import RedisServer
 
 
 def _start(make_tier, server):
@@ -60,6 +63,30 @@ def test_a_redis_restart_that_lost_everything_is_survived_by_resubmission(own_re
     # and the tier still serves new work afterwards
     again = asyncio.run(stream_many(url, texts[:4], 8))
     assert all(o.finish == "length" for o in again)
+
+
+@pytest.fixture
+def unstarted_redis(tmp_path):
+    """A Redis the test starts itself (stopped after the tiers on it)."""
+    server = RedisServer(shutil.which("redis-server") or str(redis_server_binary()), tmp_path)
+    yield server
+    server.stop()
+
+
+def test_every_role_started_before_its_redis_waits_for_it_then_serves(unstarted_redis,
+                                                                      make_tier):
+    """A tier whose Redis comes up last (no compose healthcheck, pods in any order):
+    no worker exits while it waits, and all of them serve once it answers."""
+    tier = make_tier(unstarted_redis.url)
+    tier.start("scheduler")
+    tier.start("detokenizer")
+    url = tier.start_api()
+    time.sleep(4)  # each has tried Redis and been refused a few times
+    assert all(proc.poll() is None for proc in tier.procs)
+    unstarted_redis.start()
+    tier.wait_ready()
+    got = asyncio.run(stream_many(url, prompts(2), 8))
+    assert [o.finish for o in got] == ["length", "length"]
 
 
 def test_a_batch_redis_refuses_for_memory_acks_nothing(own_redis7):

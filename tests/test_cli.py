@@ -1,4 +1,5 @@
-"""`pipeline status` as an operator runs it, against the session's real tier."""
+"""The `pipeline` command as an operator runs it: `status` against the session's
+real tier, and bad settings refused in one line."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import sys
 from pipeline.status import live_workers
 
 
-def status(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", "status", *args],
+def pipeline(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args],
                           capture_output=True, text=True, timeout=60)
+
+
+def status(*args: str) -> subprocess.CompletedProcess:
+    return pipeline("status", *args)
 
 
 def test_status_shows_every_live_worker_by_role_and_the_queue(tier):
@@ -40,3 +45,15 @@ def test_status_says_which_roles_are_missing_and_when_redis_is_unreachable(tier)
         assert f"no live {role}" in empty.stdout
     down = status("--redis-url", "redis://127.0.0.1:1/0")
     assert down.returncode == 1 and "cannot reach Redis" in down.stdout
+
+
+def test_bad_settings_are_one_line_and_exit_2_not_a_traceback(tmp_path):
+    for args, words in [
+        (("serve", "--model", str(tmp_path / "nowhere")), "unknown model"),
+        (("worker", "--role", "scheduler", "--model", str(tmp_path)), "no config.json"),
+        (("worker", "--role", "api", "--api-workers", "2", "--id", "x"), "--id names one"),
+    ]:
+        refused = pipeline(*args)
+        assert refused.returncode == 2, (args, refused.stderr)
+        assert refused.stderr.startswith("error: ") and words in refused.stderr
+        assert "Traceback" not in refused.stderr + refused.stdout
