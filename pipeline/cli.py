@@ -75,6 +75,10 @@ WorkerId = Annotated[str | None, typer.Option("--id", envvar="PIPELINE_WORKER_ID
                                              help="Stable worker id (default: random).")]
 AliveTtl = Annotated[float, _opt("ALIVE_TTL_S", "A worker silent this long is presumed dead "
                                  "and its work taken over.")]
+DrainTimeout = Annotated[float, _opt("DRAIN_TIMEOUT_S", "On SIGTERM: seconds a scheduler takes "
+                                     "no new requests and finishes its running ones (then "
+                                     "hands the rest to other schedulers), and an api finishes "
+                                     "its responses. A second signal, or SIGINT, stops at once.")]
 LogLevel = Annotated[str, _opt("LOG_LEVEL", "debug | info | warning | error.")]
 
 
@@ -85,9 +89,9 @@ def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: in
                  num_threads: int | None, cuda_graph_max_batch: int,
                  request_timeout: float, max_queued_requests: int,
                  alive_ttl_s: float, stream_interval: int,
-                 kv_cache_dtype: str = "auto") -> Config:
+                 kv_cache_dtype: str = "auto", drain_timeout_s: float = 20.0) -> Config:
     return Config(
-        model=model,
+        model=model, drain_timeout_s=drain_timeout_s,
         redis=RedisConfig(url=redis_url, prefix=prefix, alive_ttl_s=alive_ttl_s,
                           heartbeat_s=min(1.0, alive_ttl_s / 4)),
         api=ApiConfig(host=host, port=port, api_key=api_key, request_timeout_s=request_timeout,
@@ -118,7 +122,7 @@ def child_env(config: Config, redis_url: str, log_level: str, api_workers: int) 
         "REQUEST_TIMEOUT": config.api.request_timeout_s,
         "MAX_QUEUED_REQUESTS": config.api.max_queued_requests, "LOG_LEVEL": log_level,
         "STREAM_INTERVAL": config.api.stream_interval,
-        "ALIVE_TTL_S": config.redis.alive_ttl_s,
+        "ALIVE_TTL_S": config.redis.alive_ttl_s, "DRAIN_TIMEOUT_S": config.drain_timeout_s,
     }
     return {f"PIPELINE_{name}": str(value) for name, value in values.items() if value is not None}
 
@@ -142,7 +146,8 @@ def serve(
     device: Device = "auto", num_threads: Threads = None, cuda_graph_max_batch: CudaGraphs = 256,
     request_timeout: Timeout = 600.0,
     max_queued_requests: MaxQueued = 1024, alive_ttl_s: AliveTtl = 5.0,
-    stream_interval: StreamInterval = 1, log_level: LogLevel = "info",
+    stream_interval: StreamInterval = 1, drain_timeout_s: DrainTimeout = 20.0,
+    log_level: LogLevel = "info",
 ) -> None:
     """Run every role as its own process, plus an embedded Redis when no URL is given."""
     from pipeline.supervisor import serve_forever
@@ -163,7 +168,7 @@ def serve(
         kv_cache_dtype=kv_cache_dtype,
         request_timeout=request_timeout,
         max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s,
-        stream_interval=stream_interval)
+        stream_interval=stream_interval, drain_timeout_s=drain_timeout_s)
     counts = {"api": api_workers, "scheduler": schedulers, "detokenizer": detokenizers}
     raise typer.Exit(serve_forever(config, counts, lambda url: child_env(config, url, log_level,
                                                                          api_workers)))
@@ -183,7 +188,8 @@ def worker(
     device: Device = "auto", num_threads: Threads = None, cuda_graph_max_batch: CudaGraphs = 256,
     request_timeout: Timeout = 600.0,
     max_queued_requests: MaxQueued = 1024, alive_ttl_s: AliveTtl = 5.0,
-    stream_interval: StreamInterval = 1, log_level: LogLevel = "info",
+    stream_interval: StreamInterval = 1, drain_timeout_s: DrainTimeout = 20.0,
+    log_level: LogLevel = "info",
 ) -> None:
     """Run exactly one role against a shared Redis."""
     from pipeline.roles import run_role
@@ -198,7 +204,7 @@ def worker(
         kv_cache_dtype=kv_cache_dtype,
         request_timeout=request_timeout,
         max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s,
-        stream_interval=stream_interval)
+        stream_interval=stream_interval, drain_timeout_s=drain_timeout_s)
     config = _with_worker_id(config, role, worker_id)
     run_role(role.value, config, api_workers=api_workers)
 

@@ -95,3 +95,6 @@ class Config:
     api: ApiConfig = field(default_factory=ApiConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     detokenizer: DetokenizerConfig = field(default_factory=DetokenizerConfig)
+    # on SIGTERM, how long a scheduler finishes its running requests (then hands the
+    # rest to its peers) and an api keeps streaming its in-flight responses
+    drain_timeout_s: float = 20.0

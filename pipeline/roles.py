@@ -19,20 +19,34 @@ from pipeline.worker import run_loop
 log = logging.getLogger("pipeline.roles")
 
 
-def _run_until_signal(main: Callable[[], Awaitable[None]]) -> None:
+def _run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]],
+                      drain_timeout_s: float = 0) -> None:
+    """`main(draining)`. SIGTERM sets `draining`, and `main` should finish its
+    work and return within `drain_timeout_s` (it is cancelled 5 s past that);
+    with no drain time, a second signal, or SIGINT, it is cancelled at once."""
     async def runner() -> None:
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
+        draining = asyncio.Event()
 
         def stop() -> None:
             task.cancel()
             # a cancel that lands inside a redis-py call can be swallowed: don't hang on it
             loop.call_later(5.0, os._exit, 0)
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop)
+        def drain() -> None:
+            if draining.is_set() or drain_timeout_s <= 0:
+                stop()
+                return
+            log.info("draining for up to %g s (SIGINT or SIGTERM again stops at once)",
+                     drain_timeout_s)
+            draining.set()
+            loop.call_later(drain_timeout_s + 5.0, stop)
+
+        loop.add_signal_handler(signal.SIGTERM, drain)
+        loop.add_signal_handler(signal.SIGINT, stop)
         try:
-            await main()
+            await main(draining)
         except asyncio.CancelledError:
             log.info("stopping on signal")
 
@@ -48,6 +62,9 @@ def run_api(config: Config, model: ModelFiles, api_workers: int) -> None:
     if api_workers > 1 and config.api.frontend_id is not None:
         raise ConfigError("--id names one frontend; it cannot be shared by --api-workers > 1")
 
+    # uvicorn drains on SIGTERM (--drain-timeout-s), then raises the signal again
+    # once it has put back this handler: a clean exit, with the `finally` below run
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         _wait_for_redis(config.redis.url)
     except KeyboardInterrupt:  # Ctrl-C while waiting: a stop, not a crash
@@ -62,10 +79,14 @@ def run_api(config: Config, model: ModelFiles, api_workers: int) -> None:
     try:
         uvicorn.run("api.app:app_from_env", factory=True, host=config.api.host,
                     port=config.api.port, workers=api_workers if api_workers > 1 else None,
-                    log_level="warning", timeout_graceful_shutdown=5)
+                    log_level="warning", timeout_graceful_shutdown=config.drain_timeout_s)
     finally:
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _exit_on_signal(*_) -> None:
+    raise SystemExit(0)
 
 
 def _wait_for_redis(url: str) -> None:
@@ -99,8 +120,9 @@ def run_role(role: str, config: Config, api_workers: int = 1) -> None:
         case "scheduler":
             from workers.scheduler import loop
 
-            _run_until_signal(lambda: loop.run(config, model))
+            _run_until_signal(lambda draining: loop.run(config, model, draining),
+                              config.drain_timeout_s)
         case "detokenizer":
             from workers import detokenizer
 
-            _run_until_signal(lambda: detokenizer.run(config, model))
+            _run_until_signal(lambda _draining: detokenizer.run(config, model))

@@ -91,6 +91,6 @@ def serve_forever(config: Config, counts: dict[str, int],
             time.sleep(0.2)
         return 0
     finally:
-        children.stop()
+        children.stop(config.drain_timeout_s + 5)  # SIGTERM: schedulers and the api drain
         if embedded:
             embedded.stop()

@@ -69,10 +69,11 @@ async def retrying(call: Callable[[], Awaitable], name: str):
 
 
 async def forever(step: Callable[[], Awaitable[None]], name: str,
-                  on_reconnect: Callable[[], Awaitable[None]] | None = None) -> None:
-    """Run `step` in a loop; after Redis trouble back off, then `on_reconnect`
-    (recreate groups, re-read own pending entries) and go on."""
-    while True:
+                  on_reconnect: Callable[[], Awaitable[None]] | None = None,
+                  until: Callable[[], bool] = lambda: False) -> None:
+    """Run `step` in a loop until `until()`; after Redis trouble back off, then
+    `on_reconnect` (recreate groups, re-read own pending entries) and go on."""
+    while not until():
         try:
             await step()
         except REDIS_DOWN as error:

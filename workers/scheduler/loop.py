@@ -45,7 +45,7 @@ from pipeline.streams import (
     xadd,
 )
 from pipeline.tokenizer import Tokenizer
-from pipeline.worker import forever, heartbeat_forever, new_worker_id, retrying
+from pipeline.worker import REDIS_DOWN, forever, heartbeat_forever, new_worker_id, retrying
 from workers.scheduler import qgemm_vnni
 from workers.scheduler.engine import Engine, EngineRequest, StepResult
 from workers.scheduler.linear import VNNI_BESIDE_AMX, Kernels
@@ -102,6 +102,9 @@ class Scheduler:
         self.next_upkeep = 0.0
         self.num_expired = 0
         self.step_s = 0.0  # recent engine steps' average wall time (STEP_EMA)
+        self.draining = asyncio.Event()  # set on SIGTERM (pipeline.roles): see drain
+        self.drain_deadline: float | None = None
+        self.drained = False
 
     async def join(self) -> None:
         for stream, group in ((self.keys.requests, SCHEDULERS), (self.keys.tokens, DETOKENIZERS)):
@@ -121,9 +124,12 @@ class Scheduler:
         """One engine step, with this scheduler's Redis traffic done while it
         runs, in one round trip: the last step's tokens go out and new entries
         are read (they join the engine between steps, where it is safe to touch)."""
+        if self.draining.is_set() and await self.drain():
+            return
         if time.monotonic() >= self.next_upkeep:
             await self.upkeep()
-        room = self.engine.can_admit()  # asked before the step: the engine is its thread's then
+        # asked before the step: the engine is its thread's then
+        room = 0 if self.draining.is_set() else self.engine.can_admit()
         if not self.engine.has_work():  # idle: wait for work, nothing to overlap
             control, _ = await self.exchange(0)
             requests = [] if room <= 0 else await self.reader.read_group(
@@ -140,6 +146,38 @@ class Scheduler:
             self.emit(await running)
             self.step_s += STEP_EMA * (time.perf_counter() - launched - self.step_s)
         await self.take(control, requests)
+
+    async def drain(self) -> bool:
+        """Draining (SIGTERM): no new requests; the running ones go on until they
+        finish or the drain time is up, when the rest go back to their frontends
+        to be resubmitted as continuations, as a dead scheduler's are (but at
+        once, not a TTL later). True once that is sent: the scheduler is done."""
+        now = time.monotonic()
+        if self.drain_deadline is None:
+            self.drain_deadline = now + self.config.drain_timeout_s
+            log.info("draining: %d running requests, up to %g s", len(self.running),
+                     self.config.drain_timeout_s)
+        if self.running and now < self.drain_deadline:
+            return False
+        if self.running:
+            log.warning("drain time up: %d requests go to other schedulers", len(self.running))
+        for request_id, run in list(self.running.items()):
+            self.engine.abort(request_id)
+            self.to_ack.append(self.running.pop(request_id).entry_id)
+            self.failures.append(Failed(request_id, run.submit.reply_to, RETRY,
+                                        "its scheduler is shutting down", run.submit.attempt))
+        await self.exchange(0)  # the last tokens, the hand-backs and every ack
+        self.drained = True
+        return True
+
+    async def leave(self) -> None:
+        """After a drain: gone from the tier at once, not a TTL later (nothing of
+        ours is pending, so no one needs to rescue anything)."""
+        alive = self.keys.alive("scheduler", self.worker_id)
+        await self.client.redis.delete(alive)
+        await self.client.redis.zrem(self.keys.workers, alive)
+        await self.client.redis.xgroup_delconsumer(self.keys.requests, SCHEDULERS,
+                                                   self.worker_id)
 
     async def pull_while(self, running: asyncio.Future, room: int) -> list:
         """Requests that arrive while the engine steps, pulled every half a
@@ -357,7 +395,7 @@ class Scheduler:
                 "dense_matmul": ("amx" if engine.kernels.dense_tiles
                                  else "onednn" if engine.kernels.onednn else "torch"),
                 **kernel_names(engine.kernels),
-                "num_expired": self.num_expired} | asdict(
+                "num_expired": self.num_expired, "draining": self.draining.is_set()} | asdict(
             engine.stats())
 
 
@@ -373,19 +411,28 @@ def kernel_names(kernels: Kernels) -> dict[str, str]:
     return {"4bit_matmul": matmul, "activations": "exact"}
 
 
-async def run(config: Config, model: ModelFiles) -> None:
+async def run(config: Config, model: ModelFiles, draining: asyncio.Event | None = None) -> None:
+    """The scheduler until cancelled, or until `draining` is set and its drain is done."""
     # one thread runs the engine, always the same: torch.set_num_threads holds
     # for the thread that called it only (a fresh thread gets every core)
     engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
     engine = await asyncio.get_running_loop().run_in_executor(
         engine_thread, Engine, model.path, config.scheduler)
     scheduler = Scheduler(config, engine, Tokenizer(model.path), engine_thread)
+    scheduler.draining = draining or scheduler.draining
     await retrying(scheduler.join, "scheduler join")
     log.info("scheduler %s pulling %s", scheduler.worker_id, scheduler.keys.requests)
     beat = asyncio.create_task(heartbeat_forever(
         scheduler.client, scheduler.keys, "scheduler", scheduler.worker_id, config.redis,
         scheduler.info))
     try:
-        await forever(scheduler.step, "scheduler", on_reconnect=scheduler.join)
+        await forever(scheduler.step, "scheduler", on_reconnect=scheduler.join,
+                      until=lambda: scheduler.drained)
+        beat.cancel()
+        try:
+            await scheduler.leave()
+        except REDIS_DOWN as error:  # its key expires and its consumer is dropped anyway
+            log.warning("drained, but could not leave the tier at once: %s", error)
+        log.info("drained; scheduler %s left the tier", scheduler.worker_id)
     finally:
         beat.cancel()

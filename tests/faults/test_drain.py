@@ -1,0 +1,114 @@
+"""SIGTERM (a rolling restart, a scale-down): a scheduler takes no new requests,
+finishes its running ones, hands back what it cannot finish in its drain time, and
+leaves the tier at once; nothing is lost or repeated, and no TTL is waited for."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import httpx
+import redis
+
+from pipeline.status import live_workers
+from pipeline.streams import SCHEDULERS, Keys
+from tests.faults.clients import prompts, report, stream_many
+
+
+def _sigterm_once_flowing(url: str, victim, texts: list[str], max_tokens: int,
+                          then=lambda: None):
+    """Stream every prompt; SIGTERM `victim` once they flow, then call `then`. The
+    outcomes, the victim's exit code, and how long it took to exit."""
+
+    async def main():
+        started = asyncio.Event()
+        run = asyncio.create_task(stream_many(url, texts, max_tokens, started))
+        await asyncio.wait_for(started.wait(), 120)
+        victim.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        then()
+        while victim.poll() is None:  # polled: a thread's wait() waited on busy threads
+            await asyncio.sleep(0.05)
+        exit_code, exit_s = victim.returncode, time.monotonic() - t0
+        return await run, exit_code, exit_s
+
+    return asyncio.run(main())
+
+
+def _scheduler_ids(tier) -> set[str]:
+    return {w["id"] for w in live_workers(tier.redis_url, tier.prefix) if w["role"] == "scheduler"}
+
+
+def _consumers(tier) -> set[str]:
+    client = redis.Redis.from_url(tier.redis_url)
+    try:
+        groups = client.xinfo_consumers(Keys(tier.prefix).requests, SCHEDULERS)
+        return {c["name"].decode() for c in groups}
+    finally:
+        client.close()
+
+
+def test_a_draining_scheduler_finishes_its_requests_then_leaves(own_redis7, make_tier):
+    tier = make_tier(own_redis7.url, **{"drain-timeout-s": "60"})
+    victim = tier.start("scheduler")
+    tier.start("detokenizer")
+    url = tier.start_api()
+    tier.wait_ready()
+    [victim_id] = _scheduler_ids(tier)
+    texts = prompts(4)
+    reference = asyncio.run(stream_many(url, texts, 48))
+    got, exit_code, exit_s = _sigterm_once_flowing(url, victim, texts, 48)
+    figures = report("scheduler SIGTERM, drained", reference, got, exit_s=round(exit_s, 2))
+    assert figures["lost"] == 0 and figures["differing"] == 0
+    assert all(o.error is None and o.finish == "length" for o in got)
+    assert exit_code == 0
+    assert victim_id not in _scheduler_ids(tier) | _consumers(tier)  # gone, not expiring
+
+
+def test_what_a_drain_cannot_finish_goes_to_another_scheduler(own_redis7, make_tier):
+    """A 1 s drain, streams of 320 tokens (several seconds): the victim, which holds
+    them all, hands them back as continuations, and a scheduler started as it
+    drains (a rolling restart's replacement) ends them as an undisturbed run would."""
+    tier = make_tier(own_redis7.url, **{"drain-timeout-s": "1", "max-running-requests": "8"})
+    victim = tier.start("scheduler")
+    tier.start("detokenizer")
+    url = tier.start_api()
+    tier.wait_ready()
+    [victim_id] = _scheduler_ids(tier)
+    texts = prompts(4)
+    reference = asyncio.run(stream_many(url, texts, 320))
+    got, exit_code, exit_s = _sigterm_once_flowing(url, victim, texts, 320,
+                                                   then=lambda: tier.start("scheduler"))
+    figures = report("scheduler SIGTERM, drain 1 s", reference, got, exit_s=round(exit_s, 2))
+    assert figures["lost"] == 0 and figures["differing"] == 0
+    assert all(o.error is None and o.finish == "length" for o in got)
+    assert exit_code == 0 and exit_s < 5  # its drain time and a step, not a TTL
+    assert victim_id not in _scheduler_ids(tier) | _consumers(tier)
+    log = (tier.log_dir / "scheduler-0.log").read_text()
+    assert "drain time up: 4 requests go to other schedulers" in log
+
+
+def test_a_draining_api_finishes_its_streams_and_takes_no_new_ones(own_redis7, make_tier):
+    tier = make_tier(own_redis7.url, **{"drain-timeout-s": "60"})
+    tier.start("scheduler")
+    tier.start("detokenizer")
+    url = tier.start_api()
+    tier.wait_ready()
+    [api] = [proc for proc in tier.procs if "api" in proc.args]
+    texts = prompts(4)
+    reference = asyncio.run(stream_many(url, texts, 64))
+
+    def refused() -> None:  # the listening socket closes at once
+        time.sleep(0.5)
+        try:
+            httpx.get(f"{url}/health", timeout=2)
+        except httpx.ConnectError:
+            return
+        raise AssertionError("a draining api took a new connection")
+
+    got, exit_code, exit_s = _sigterm_once_flowing(url, api, texts, 64, then=refused)
+    figures = report("api SIGTERM, drained", reference, got, exit_s=round(exit_s, 2))
+    assert figures["lost"] == 0 and figures["differing"] == 0
+    assert all(o.error is None and o.finish == "length" for o in got)
+    assert exit_code == 0
