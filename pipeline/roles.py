@@ -125,4 +125,5 @@ def run_role(role: str, config: Config, api_workers: int = 1) -> None:
         case "detokenizer":
             from workers import detokenizer
 
-            _run_until_signal(lambda _draining: detokenizer.run(config, model))
+            _run_until_signal(lambda draining: detokenizer.run(config, model, draining),
+                              config.drain_timeout_s)

@@ -51,6 +51,22 @@ async def heartbeat_forever(client: StreamClient, keys: Keys, role: str, worker_
         await asyncio.sleep(config.heartbeat_s)
 
 
+async def leave_tier(client: StreamClient, keys: Keys, role: str, worker_id: str,
+                     stream: str, group: str) -> None:
+    """After a drain: gone from the tier at once, not a TTL later: the liveness key,
+    its index member, and the group's consumer where nothing is pending on it (an
+    entry left pending keeps it, to be taken over as a dead worker's)."""
+    alive = keys.alive(role, worker_id)
+    await client.redis.delete(alive)
+    await client.redis.zrem(keys.workers, alive)
+    pending = await client.redis.xpending_range(stream, group, "-", "+", 1,
+                                                consumername=worker_id)
+    if not pending:
+        await client.redis.xgroup_delconsumer(stream, group, worker_id)
+    else:
+        log.warning("%s leaves with entries pending; they are taken over", worker_id)
+
+
 def backoff_s(failures: int) -> float:
     """Jittered exponential backoff, capped at 5 s."""
     return min(5.0, 0.1 * 2 ** min(failures, 6)) * (0.5 + random.random() / 2)

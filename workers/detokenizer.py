@@ -15,12 +15,20 @@ from pipeline.config import Config
 from pipeline.messages import Delta, Failed, ReplyBatch, TokenBatch, tokens_decoder
 from pipeline.models import ModelFiles
 from pipeline.recovery import dead_consumers, drop_consumer, take_over, trim_below_pending
-from pipeline.streams import DETOKENIZERS, Keys, StreamClient
+from pipeline.streams import DETOKENIZERS, Keys, StreamClient, xadd
 from pipeline.tokenizer import Tokenizer
-from pipeline.worker import forever, heartbeat_forever, new_worker_id, retrying
+from pipeline.worker import (
+    REDIS_DOWN,
+    forever,
+    heartbeat_forever,
+    leave_tier,
+    new_worker_id,
+    retrying,
+)
 from workers.text import step_text
 
 log = logging.getLogger("pipeline.detokenizer")
+REPLIES_MAXLEN = 10_000  # a frontend trims what it read; this only bounds a stalled one
 
 
 def replies_for(tokenizer: Tokenizer, batch: TokenBatch) -> dict[str, ReplyBatch]:
@@ -77,13 +85,24 @@ class Detokenizer:
                 await drop_consumer(self.client, self.keys.tokens, DETOKENIZERS, name)
         await trim_below_pending(self.client, self.keys.tokens)
 
+    async def flush(self) -> None:
+        """The last batches' replies and their acks, reading nothing more (a drain)."""
+        writes = [xadd(key, message, maxlen=REPLIES_MAXLEN, nomkstream=True)
+                  for key, message in self.outbox]
+        if self.answered:
+            writes.append(("XACK", self.keys.tokens, DETOKENIZERS, *self.answered))
+        if writes:
+            await self.client.transaction(writes)
+        self.num_batches += len(self.answered)
+        self.outbox, self.answered = [], []
+
     async def step(self) -> None:
         """Send the last batches' replies, acked with them (one MULTI/EXEC: a
         crash before they are written must redeliver), and read the next
         batches, in one round trip; then answer those."""
         entries = await self.reader.add_ack_and_read(
             self.outbox, self.keys.tokens, DETOKENIZERS, self.answered, self.worker_id,
-            count=64, start=self.start, nomkstream=True, maxlen=10_000)
+            count=64, start=self.start, nomkstream=True, maxlen=REPLIES_MAXLEN)
         self.num_batches += len(self.answered)
         self.outbox, self.answered = [], []
         if time.monotonic() >= self.next_upkeep:
@@ -102,7 +121,10 @@ class Detokenizer:
         self.answered = [entry_id for entry_id, _ in entries]
 
 
-async def run(config: Config, model: ModelFiles) -> None:
+async def run(config: Config, model: ModelFiles, draining: asyncio.Event | None = None) -> None:
+    """The detokenizer until cancelled, or until `draining` is set (SIGTERM): then
+    its last replies and acks go out and it leaves the tier at once."""
+    draining = draining or asyncio.Event()
     detokenizer = Detokenizer(config, Tokenizer(model.path))
     await retrying(detokenizer.join, "detokenizer join")
     log.info("detokenizer %s reading %s", detokenizer.worker_id, detokenizer.keys.tokens)
@@ -110,6 +132,15 @@ async def run(config: Config, model: ModelFiles) -> None:
         detokenizer.client, detokenizer.keys, "detokenizer", detokenizer.worker_id, config.redis,
         lambda: {"batches": detokenizer.num_batches}))
     try:
-        await forever(detokenizer.step, "detokenizer", on_reconnect=detokenizer.join)
+        await forever(detokenizer.step, "detokenizer", on_reconnect=detokenizer.join,
+                      until=draining.is_set)
+        beat.cancel()
+        try:
+            await detokenizer.flush()
+            await leave_tier(detokenizer.client, detokenizer.keys, "detokenizer",
+                             detokenizer.worker_id, detokenizer.keys.tokens, DETOKENIZERS)
+        except REDIS_DOWN as error:  # its batches are taken over after the TTL instead
+            log.warning("drained, but could not leave the tier at once: %s", error)
+        log.info("drained; detokenizer %s left the tier", detokenizer.worker_id)
     finally:
         beat.cancel()

@@ -12,7 +12,7 @@ import httpx
 import redis
 
 from pipeline.status import live_workers
-from pipeline.streams import SCHEDULERS, Keys
+from pipeline.streams import DETOKENIZERS, SCHEDULERS, Keys
 from tests.faults.clients import prompts, report, stream_many
 
 
@@ -36,15 +36,15 @@ def _sigterm_once_flowing(url: str, victim, texts: list[str], max_tokens: int,
     return asyncio.run(main())
 
 
-def _scheduler_ids(tier) -> set[str]:
-    return {w["id"] for w in live_workers(tier.redis_url, tier.prefix) if w["role"] == "scheduler"}
+def _ids(tier, role: str) -> set[str]:
+    return {w["id"] for w in live_workers(tier.redis_url, tier.prefix) if w["role"] == role}
 
 
-def _consumers(tier) -> set[str]:
+def _consumers(tier, stream: str = "requests", group: str = SCHEDULERS) -> set[str]:
     client = redis.Redis.from_url(tier.redis_url)
     try:
-        groups = client.xinfo_consumers(Keys(tier.prefix).requests, SCHEDULERS)
-        return {c["name"].decode() for c in groups}
+        found = client.xinfo_consumers(getattr(Keys(tier.prefix), stream), group)
+        return {c["name"].decode() for c in found}
     finally:
         client.close()
 
@@ -55,7 +55,7 @@ def test_a_draining_scheduler_finishes_its_requests_then_leaves(own_redis7, make
     tier.start("detokenizer")
     url = tier.start_api()
     tier.wait_ready()
-    [victim_id] = _scheduler_ids(tier)
+    [victim_id] = _ids(tier, "scheduler")
     texts = prompts(4)
     reference = asyncio.run(stream_many(url, texts, 48))
     got, exit_code, exit_s = _sigterm_once_flowing(url, victim, texts, 48)
@@ -63,7 +63,7 @@ def test_a_draining_scheduler_finishes_its_requests_then_leaves(own_redis7, make
     assert figures["lost"] == 0 and figures["differing"] == 0
     assert all(o.error is None and o.finish == "length" for o in got)
     assert exit_code == 0
-    assert victim_id not in _scheduler_ids(tier) | _consumers(tier)  # gone, not expiring
+    assert victim_id not in _ids(tier, "scheduler") | _consumers(tier)  # gone, not expiring
 
 
 def test_what_a_drain_cannot_finish_goes_to_another_scheduler(own_redis7, make_tier):
@@ -75,7 +75,7 @@ def test_what_a_drain_cannot_finish_goes_to_another_scheduler(own_redis7, make_t
     tier.start("detokenizer")
     url = tier.start_api()
     tier.wait_ready()
-    [victim_id] = _scheduler_ids(tier)
+    [victim_id] = _ids(tier, "scheduler")
     texts = prompts(4)
     reference = asyncio.run(stream_many(url, texts, 320))
     got, exit_code, exit_s = _sigterm_once_flowing(url, victim, texts, 320,
@@ -84,7 +84,7 @@ def test_what_a_drain_cannot_finish_goes_to_another_scheduler(own_redis7, make_t
     assert figures["lost"] == 0 and figures["differing"] == 0
     assert all(o.error is None and o.finish == "length" for o in got)
     assert exit_code == 0 and exit_s < 5  # its drain time and a step, not a TTL
-    assert victim_id not in _scheduler_ids(tier) | _consumers(tier)
+    assert victim_id not in _ids(tier, "scheduler") | _consumers(tier)
     log = (tier.log_dir / "scheduler-0.log").read_text()
     assert "drain time up: 4 requests go to other schedulers" in log
 
@@ -112,3 +112,23 @@ def test_a_draining_api_finishes_its_streams_and_takes_no_new_ones(own_redis7, m
     assert figures["lost"] == 0 and figures["differing"] == 0
     assert all(o.error is None and o.finish == "length" for o in got)
     assert exit_code == 0
+
+
+def test_a_draining_detokenizer_sends_its_last_replies_and_leaves(own_redis7, make_tier):
+    """Its batches are not left pending for a TTL: the other detokenizer goes on."""
+    tier = make_tier(own_redis7.url, **{"drain-timeout-s": "20"})
+    tier.start("scheduler")
+    victim = tier.start("detokenizer")
+    url = tier.start_api()
+    tier.wait_ready()
+    [victim_id] = _ids(tier, "detokenizer")
+    tier.start("detokenizer")
+    tier.wait_ready(detokenizers=2)
+    texts = prompts(8)
+    reference = asyncio.run(stream_many(url, texts, 64))
+    got, exit_code, exit_s = _sigterm_once_flowing(url, victim, texts, 64)
+    figures = report("detokenizer SIGTERM, drained", reference, got, exit_s=round(exit_s, 2))
+    assert figures["lost"] == 0 and figures["differing"] == 0
+    assert all(o.error is None and o.finish == "length" for o in got)
+    assert exit_code == 0
+    assert victim_id not in _ids(tier, "detokenizer") | _consumers(tier, "tokens", DETOKENIZERS)

@@ -45,7 +45,14 @@ from pipeline.streams import (
     xadd,
 )
 from pipeline.tokenizer import Tokenizer
-from pipeline.worker import REDIS_DOWN, forever, heartbeat_forever, new_worker_id, retrying
+from pipeline.worker import (
+    REDIS_DOWN,
+    forever,
+    heartbeat_forever,
+    leave_tier,
+    new_worker_id,
+    retrying,
+)
 from workers.scheduler import qgemm_vnni
 from workers.scheduler.engine import Engine, EngineRequest, StepResult
 from workers.scheduler.linear import VNNI_BESIDE_AMX, Kernels
@@ -169,15 +176,6 @@ class Scheduler:
         await self.exchange(0)  # the last tokens, the hand-backs and every ack
         self.drained = True
         return True
-
-    async def leave(self) -> None:
-        """After a drain: gone from the tier at once, not a TTL later (nothing of
-        ours is pending, so no one needs to rescue anything)."""
-        alive = self.keys.alive("scheduler", self.worker_id)
-        await self.client.redis.delete(alive)
-        await self.client.redis.zrem(self.keys.workers, alive)
-        await self.client.redis.xgroup_delconsumer(self.keys.requests, SCHEDULERS,
-                                                   self.worker_id)
 
     async def pull_while(self, running: asyncio.Future, room: int) -> list:
         """Requests that arrive while the engine steps, pulled every half a
@@ -430,7 +428,8 @@ async def run(config: Config, model: ModelFiles, draining: asyncio.Event | None 
                       until=lambda: scheduler.drained)
         beat.cancel()
         try:
-            await scheduler.leave()
+            await leave_tier(scheduler.client, scheduler.keys, "scheduler", scheduler.worker_id,
+                             scheduler.keys.requests, SCHEDULERS)
         except REDIS_DOWN as error:  # its key expires and its consumer is dropped anyway
             log.warning("drained, but could not leave the tier at once: %s", error)
         log.info("drained; scheduler %s left the tier", scheduler.worker_id)
