@@ -78,7 +78,8 @@ AliveTtl = Annotated[float, _opt("ALIVE_TTL_S", "A worker silent this long is pr
 DrainTimeout = Annotated[float, _opt("DRAIN_TIMEOUT_S", "On SIGTERM: seconds a scheduler takes "
                                      "no new requests and finishes its running ones (then "
                                      "hands the rest to other schedulers), and an api finishes "
-                                     "its responses. A second signal, or SIGINT, stops at once.")]
+                                     "its responses; 0: no drain. A second signal, or SIGINT, "
+                                     "stops at once.")]
 LogLevel = Annotated[str, _opt("LOG_LEVEL", "debug | info | warning | error.")]
 
 

@@ -111,10 +111,11 @@ def print_status(redis_url: str, prefix: str, as_json: bool = False) -> int:
 
 
 def _seen(now: float) -> Callable[[dict], str]:
-    """How long ago the worker's last heartbeat was."""
+    """How long ago the worker's last heartbeat was, and whether it is draining."""
     def show(worker: dict) -> str:
         at = worker.get("at")
-        return f"{now - at:.1f} s" if isinstance(at, (int, float)) else "-"
+        seen = f"{now - at:.1f} s" if isinstance(at, (int, float)) else "-"
+        return seen + (", draining" if worker.get("draining") else "")
 
     return show
 

@@ -57,8 +57,18 @@ def test_a_draining_scheduler_finishes_its_requests_then_leaves(own_redis7, make
     tier.wait_ready()
     [victim_id] = _ids(tier, "scheduler")
     texts = prompts(4)
-    reference = asyncio.run(stream_many(url, texts, 48))
-    got, exit_code, exit_s = _sigterm_once_flowing(url, victim, texts, 48)
+    reference = asyncio.run(stream_many(url, texts, 160))
+
+    def shows_draining() -> None:  # its heartbeat says so (pipeline status)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            if any(w.get("draining") for w in live_workers(tier.redis_url, tier.prefix)
+                   if w["id"] == victim_id):
+                return
+            time.sleep(0.1)
+        raise AssertionError("the draining scheduler's record never said so")
+
+    got, exit_code, exit_s = _sigterm_once_flowing(url, victim, texts, 160, then=shows_draining)
     figures = report("scheduler SIGTERM, drained", reference, got, exit_s=round(exit_s, 2))
     assert figures["lost"] == 0 and figures["differing"] == 0
     assert all(o.error is None and o.finish == "length" for o in got)
