@@ -123,8 +123,9 @@ def _seen(now: float) -> Callable[[dict], str]:
 def _field(name: str, unit: str = "", scale: float = 1) -> Callable[[dict], str]:
     def show(worker: dict) -> str:
         value = worker.get(name)
-        if isinstance(value, float):
-            value = f"{value * scale:.3g}"
+        if isinstance(value, float):  # 1234.5 tok/s as 1234, 38.21 ms as 38.2
+            value *= scale
+            value = f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
         return "-" if value is None else f"{value}{unit}"
 
     return show
