@@ -36,10 +36,15 @@ class Children:
                 log.error("%s exited with %s; restarting it", name, proc.returncode)
                 self.start(name, name.split("-")[0])
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
+    def stop(self, timeout_s: float = 10.0, sig: int = signal.SIGTERM) -> None:
+        """SIGTERM: each child drains (--drain-timeout-s). SIGINT: stop at once; sent
+        twice, since uvicorn (the api) drains on one and quits on a second, as at
+        a second Ctrl-C."""
+        for _ in range(2 if sig == signal.SIGINT else 1):
+            for proc in self.procs.values():
+                if proc.poll() is None:
+                    proc.send_signal(sig)
+            time.sleep(0.2)
         deadline = time.monotonic() + timeout_s
         for proc in self.procs.values():
             try:
@@ -71,9 +76,9 @@ def _wait_ready(url: str, redis_url: str, prefix: str, children: Children,
 
 def serve_forever(config: Config, counts: dict[str, int],
                   env_for: Callable[[str], dict[str, str]]) -> int:
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
+    stopping: list[int] = []  # the signals received
+    signal.signal(signal.SIGTERM, lambda sig, _: stopping.append(sig))
+    signal.signal(signal.SIGINT, lambda sig, _: stopping.append(sig))
     resolve_model(config.model)  # convert once here, not in every child
     embedded = None if config.redis.url else EmbeddedRedis()
     redis_url = embedded.start() if embedded else config.redis.url
@@ -91,6 +96,10 @@ def serve_forever(config: Config, counts: dict[str, int],
             time.sleep(0.2)
         return 0
     finally:
-        children.stop(config.drain_timeout_s + 5)  # SIGTERM: schedulers and the api drain
+        # SIGTERM (systemd, a container's stop): the children drain; Ctrl-C: at once
+        if stopping and stopping[0] == signal.SIGINT:
+            children.stop(10.0, signal.SIGINT)
+        else:
+            children.stop(config.drain_timeout_s + 5)
         if embedded:
             embedded.stop()

@@ -59,7 +59,8 @@ def _tree(pid: int) -> list[int]:
         return []
 
 
-def test_pipeline_serve_answers_on_embedded_redis_and_leaves_nothing_on_sigterm(tmp_path):
+def test_pipeline_serve_answers_on_embedded_redis_and_drains_and_leaves_nothing_on_sigterm(
+        tmp_path):
     port = free_port()
     env = worker_env() | {"PIPELINE_LOG_LEVEL": "warning", "PIPELINE_DTYPE": "float32"}
     log = open(tmp_path / "serve.log", "w")
@@ -79,6 +80,15 @@ def test_pipeline_serve_answers_on_embedded_redis_and_leaves_nothing_on_sigterm(
                               timeout=120)
         assert response.status_code == 200
         assert "Paris" in response.json()["choices"][0]["message"]["content"]
+        # SIGTERM mid-stream: every role drains, so the stream still ends whole
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                          json={"prompt": "Once upon a time", "max_tokens": 96,
+                                "ignore_eos": True, "stream": True}) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)

@@ -15,6 +15,7 @@ from pipeline.config import Config
 from pipeline.messages import Delta, Failed, ReplyBatch, TokenBatch, tokens_decoder
 from pipeline.models import ModelFiles
 from pipeline.recovery import dead_consumers, drop_consumer, take_over, trim_below_pending
+from pipeline.status import read_live_workers
 from pipeline.streams import DETOKENIZERS, Keys, StreamClient, xadd
 from pipeline.tokenizer import Tokenizer
 from pipeline.worker import (
@@ -29,6 +30,7 @@ from workers.text import step_text
 
 log = logging.getLogger("pipeline.detokenizer")
 REPLIES_MAXLEN = 10_000  # a frontend trims what it read; this only bounds a stalled one
+DRAIN_IDLE_S = 1.0  # a draining detokenizer that read nothing this long may leave
 
 
 def replies_for(tokenizer: Tokenizer, batch: TokenBatch) -> dict[str, ReplyBatch]:
@@ -63,6 +65,9 @@ class Detokenizer:
         # the last batches' replies, and their entries to ack, sent with the next read
         self.outbox: list[tuple[str, ReplyBatch]] = []
         self.answered: list[str] = []
+        self.last_batch_at = 0.0  # monotonic time of the last batch read
+        self.drain_deadline: float | None = None  # set on SIGTERM: see drained
+        self.schedulers_busy = True  # while draining: a live scheduler has running requests
 
     async def join(self) -> None:
         await self.client.ensure_group(self.keys.tokens, DETOKENIZERS)
@@ -70,9 +75,28 @@ class Detokenizer:
                                                       self.worker_id)
         self.start = "0"
 
+    def drained(self, draining: asyncio.Event) -> bool:
+        """After SIGTERM, done once no live scheduler has running requests and no
+        batch came for DRAIN_IDLE_S (a whole tier stopping: its schedulers finish
+        theirs first, and need a detokenizer for them), or the drain time is up."""
+        if not draining.is_set():
+            return False
+        now = time.monotonic()
+        if self.drain_deadline is None:
+            self.drain_deadline = now + self.config.drain_timeout_s
+            self.next_upkeep = now  # look at the schedulers now
+            return False
+        idle = now - self.last_batch_at >= DRAIN_IDLE_S
+        return now >= self.drain_deadline or (idle and not self.schedulers_busy)
+
     async def upkeep(self) -> None:
-        """Once a heartbeat: take over dead detokenizers' batches, trim the stream."""
+        """Once a heartbeat: take over dead detokenizers' batches, trim the stream;
+        while draining, see whether any scheduler still makes tokens."""
         self.next_upkeep = time.monotonic() + self.config.redis.heartbeat_s
+        if self.drain_deadline is not None:
+            self.schedulers_busy = any(
+                w.get("role") == "scheduler" and w.get("num_running")
+                for w in await read_live_workers(self.client.redis, self.keys.prefix))
         min_idle_ms = int(self.config.redis.alive_ttl_s * 1000)
         for name, pending in await dead_consumers(self.client, self.keys, self.keys.tokens,
                                                   DETOKENIZERS, "detokenizer", self.worker_id):
@@ -107,6 +131,8 @@ class Detokenizer:
         self.outbox, self.answered = [], []
         if time.monotonic() >= self.next_upkeep:
             await self.upkeep()
+        if entries:
+            self.last_batch_at = time.monotonic()
         if self.start == "0" and not entries:
             self.start = ">"
             return
@@ -122,8 +148,8 @@ class Detokenizer:
 
 
 async def run(config: Config, model: ModelFiles, draining: asyncio.Event | None = None) -> None:
-    """The detokenizer until cancelled, or until `draining` is set (SIGTERM): then
-    its last replies and acks go out and it leaves the tier at once."""
+    """The detokenizer until cancelled, or until `draining` is set (SIGTERM) and its
+    drain is done: then its last replies and acks go out and it leaves the tier."""
     draining = draining or asyncio.Event()
     detokenizer = Detokenizer(config, Tokenizer(model.path))
     await retrying(detokenizer.join, "detokenizer join")
@@ -133,7 +159,7 @@ async def run(config: Config, model: ModelFiles, draining: asyncio.Event | None 
         lambda: {"batches": detokenizer.num_batches}))
     try:
         await forever(detokenizer.step, "detokenizer", on_reconnect=detokenizer.join,
-                      until=draining.is_set)
+                      until=lambda: detokenizer.drained(draining))
         beat.cancel()
         try:
             await detokenizer.flush()
