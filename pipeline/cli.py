@@ -78,8 +78,9 @@ AliveTtl = Annotated[float, _opt("ALIVE_TTL_S", "A worker silent this long is pr
 DrainTimeout = Annotated[float, _opt("DRAIN_TIMEOUT_S", "On SIGTERM: seconds a scheduler takes "
                                      "no new requests and finishes its running ones (then "
                                      "hands the rest to other schedulers), and an api finishes "
-                                     "its responses; 0: no drain. A second signal, or SIGINT, "
-                                     "stops at once.")]
+                                     "its responses; 0: no drain. A second signal stops "
+                                     "at once, as SIGINT does but to the api (uvicorn: a "
+                                     "second Ctrl-C).")]
 LogLevel = Annotated[str, _opt("LOG_LEVEL", "debug | info | warning | error.")]
 
 
@@ -225,12 +226,12 @@ def _with_worker_id(config: Config, role: Role, worker_id: str | None) -> Config
 
 @app.command()
 def status(redis_url: RedisUrl = "redis://127.0.0.1:6379/0", prefix: Prefix = "pipeline",
-           json: Annotated[bool, typer.Option(  # noqa: A002 (the flag's name)
+           as_json: Annotated[bool, typer.Option(
                "--json", help="One JSON object: every live worker's record.")] = False) -> None:
     """Show the live workers of a tier, their load, and the requests queued."""
     from pipeline.status import print_status
 
-    raise typer.Exit(print_status(redis_url or "redis://127.0.0.1:6379/0", prefix, json))
+    raise typer.Exit(print_status(redis_url or "redis://127.0.0.1:6379/0", prefix, as_json))
 
 
 @app.command()
