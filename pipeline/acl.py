@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 _COMMON = ["ping", "hello", "client|setname", "info", "select",
-           "set", "exists", "get", "mget", "xinfo", "xrange", "xrevrange", "xlen",
+           "set", "del", "exists", "get", "mget", "xinfo", "xrange", "xrevrange", "xlen",
            "zadd", "zrem", "zrangebyscore", "zremrangebyscore"]  # the workers index
 _GROUP_READER = ["xreadgroup", "xack", "xgroup", "xclaim", "xpending", "xtrim",
                  "multi", "exec", "discard"]  # writes and their acks go as one MULTI/EXEC
@@ -12,7 +12,7 @@ _GROUP_READER = ["xreadgroup", "xack", "xgroup", "xclaim", "xpending", "xtrim",
 ROLES: dict[str, tuple[list[str], list[str]]] = {
     # role: (key patterns under the prefix, commands)
     "api": (["requests", "control", "replies:*", "alive:*", "workers"],
-            _COMMON + ["xadd", "xread", "pexpire", "del"]),
+            _COMMON + ["xadd", "xread", "pexpire"]),
     "scheduler": (["requests", "control", "tokens", "alive:*", "workers", "admitted:*", "dead"],
                   _COMMON + _GROUP_READER + ["xadd", "xread"]),
     "detokenizer": (["tokens", "replies:*", "alive:*", "workers", "dead"],

@@ -3,6 +3,8 @@ guards every route but health."""
 
 from __future__ import annotations
 
+import signal
+
 import httpx
 import pytest
 import redis
@@ -32,6 +34,14 @@ def test_every_role_serves_with_only_its_documented_acl(own_redis7, make_tier):
         api_user.xrange(f"{tier.prefix}:tokens")
     with pytest.raises(redis.exceptions.NoPermissionError):
         api_user.get("some-other-tenant:key")
+    # a drain (SIGTERM) leaves the tier with those grants too
+    workers = {proc.args[proc.args.index("--role") + 1]: proc for proc in tier.procs}
+    for role in ("scheduler", "detokenizer"):
+        workers[role].send_signal(signal.SIGTERM)
+        assert workers[role].wait(timeout=30) == 0
+    roles = [line for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+             if line.startswith("pipeline_workers{")]
+    assert roles == ['pipeline_workers{role="api"} 1.0']  # both gone at once, not a TTL later
 
 
 def test_an_api_key_guards_every_route_but_health(redis_url, make_tier):

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import msgspec
+from redis.exceptions import RedisError
 
 from pipeline.config import Config
 from pipeline.errors import RETRY, InvalidRequest, PipelineError, RequestTimeout
@@ -46,7 +47,6 @@ from pipeline.streams import (
 )
 from pipeline.tokenizer import Tokenizer
 from pipeline.worker import (
-    REDIS_DOWN,
     forever,
     heartbeat_forever,
     leave_tier,
@@ -430,7 +430,7 @@ async def run(config: Config, model: ModelFiles, draining: asyncio.Event | None 
         try:
             await leave_tier(scheduler.client, scheduler.keys, "scheduler", scheduler.worker_id,
                              scheduler.keys.requests, SCHEDULERS)
-        except REDIS_DOWN as error:  # its key expires and its consumer is dropped anyway
+        except (RedisError, OSError) as error:  # its key expires and its consumer is dropped anyway
             log.warning("drained, but could not leave the tier at once: %s", error)
         log.info("drained; scheduler %s left the tier", scheduler.worker_id)
     finally:
