@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import tempfile
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
@@ -90,26 +89,22 @@ def _exit_on_signal(*_) -> None:
 
 
 def _wait_for_redis(url: str) -> None:
-    """Until Redis answers a PING, as the other roles wait to join: an api started
-    before its Redis (no compose healthcheck, a pod) comes up when Redis does.
-    Here, before uvicorn takes SIGTERM and SIGINT: its startup ignores them, so a
-    wait in the app's lifespan could not be stopped."""
-    import redis
+    """Until Redis answers a PING (`retrying`, as the other roles wait to join): an
+    api started before its Redis (no compose healthcheck, a pod) comes up when
+    Redis does. Here, before uvicorn takes SIGTERM and SIGINT: its startup ignores
+    them, so a wait in the app's lifespan could not be stopped."""
+    import redis.asyncio
 
-    from pipeline.worker import REDIS_DOWN, backoff_s
+    from pipeline.worker import retrying
 
-    failures = 0
-    while True:
-        client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+    async def ping() -> None:
+        client = redis.asyncio.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
         try:
-            client.ping()
-            return
-        except REDIS_DOWN as error:
-            failures += 1
-            log.warning("api start: Redis unavailable (%s); retrying", error)
-            time.sleep(backoff_s(failures))
+            await retrying(client.ping, "api start")
         finally:
-            client.close()
+            await client.aclose()
+
+    asyncio.run(ping())
 
 
 def run_role(role: str, config: Config, api_workers: int = 1) -> None:
@@ -118,9 +113,9 @@ def run_role(role: str, config: Config, api_workers: int = 1) -> None:
         case "api":
             run_api(config, model, api_workers)
         case "scheduler":
-            from workers.scheduler import loop
+            from workers.scheduler import role as scheduler
 
-            _run_until_signal(lambda draining: loop.run(config, model, draining),
+            _run_until_signal(lambda draining: scheduler.run(config, model, draining),
                               config.drain_timeout_s)
         case "detokenizer":
             from workers import detokenizer

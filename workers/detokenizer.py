@@ -10,7 +10,6 @@ import time
 from collections import defaultdict
 
 import msgspec
-from redis.exceptions import RedisError
 
 from pipeline.config import Config
 from pipeline.messages import Delta, Failed, ReplyBatch, TokenBatch, tokens_decoder
@@ -20,6 +19,7 @@ from pipeline.status import read_live_workers
 from pipeline.streams import DETOKENIZERS, Keys, StreamClient, xadd
 from pipeline.tokenizer import Tokenizer
 from pipeline.worker import (
+    REDIS_DOWN,
     forever,
     heartbeat_forever,
     leave_tier,
@@ -163,10 +163,9 @@ async def run(config: Config, model: ModelFiles, draining: asyncio.Event | None 
         beat.cancel()
         try:
             await detokenizer.flush()
-            await leave_tier(detokenizer.client, detokenizer.keys, "detokenizer",
-                             detokenizer.worker_id, detokenizer.keys.tokens, DETOKENIZERS)
-        except (RedisError, OSError) as error:  # its batches are taken over after the TTL instead
-            log.warning("drained, but could not leave the tier at once: %s", error)
-        log.info("drained; detokenizer %s left the tier", detokenizer.worker_id)
+        except REDIS_DOWN as error:  # its batches are taken over after the TTL instead
+            log.warning("its last replies could not be sent: %s", error)
+        await leave_tier(detokenizer.client, detokenizer.keys, "detokenizer",
+                         detokenizer.worker_id, detokenizer.keys.tokens, DETOKENIZERS)
     finally:
         beat.cancel()

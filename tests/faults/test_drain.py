@@ -49,13 +49,28 @@ def _consumers(tier, stream: str = "requests", group: str = SCHEDULERS) -> set[s
         client.close()
 
 
-def test_a_draining_scheduler_finishes_its_requests_then_leaves(own_redis7, make_tier):
-    tier = make_tier(own_redis7.url, **{"drain-timeout-s": "60"})
+def _victim_scheduler(make_tier, redis_url: str, **options):
+    """A tier of one scheduler (the victim), a detokenizer and an api, ready: the
+    tier, the victim's process and id, and the api's URL."""
+    tier = make_tier(redis_url, **options)
     victim = tier.start("scheduler")
     tier.start("detokenizer")
     url = tier.start_api()
     tier.wait_ready()
     [victim_id] = _ids(tier, "scheduler")
+    return tier, victim, victim_id, url
+
+
+def _assert_whole(name: str, reference, got, exit_s: float) -> None:
+    """Nothing lost, cut or different from an undisturbed run."""
+    figures = report(name, reference, got, exit_s=round(exit_s, 2))
+    assert figures["lost"] == 0 and figures["differing"] == 0
+    assert all(o.error is None and o.finish == "length" for o in got)
+
+
+def test_a_draining_scheduler_finishes_its_requests_then_leaves(own_redis7, make_tier):
+    tier, victim, victim_id, url = _victim_scheduler(make_tier, own_redis7.url,
+                                                     **{"drain-timeout-s": "60"})
     texts = prompts(4)
     reference = asyncio.run(stream_many(url, texts, 160))
 
@@ -69,9 +84,7 @@ def test_a_draining_scheduler_finishes_its_requests_then_leaves(own_redis7, make
         raise AssertionError("the draining scheduler's record never said so")
 
     got, exit_code, exit_s = _sigterm_once_flowing(url, victim, texts, 160, then=shows_draining)
-    figures = report("scheduler SIGTERM, drained", reference, got, exit_s=round(exit_s, 2))
-    assert figures["lost"] == 0 and figures["differing"] == 0
-    assert all(o.error is None and o.finish == "length" for o in got)
+    _assert_whole("scheduler SIGTERM, drained", reference, got, exit_s)
     assert exit_code == 0
     assert victim_id not in _ids(tier, "scheduler") | _consumers(tier)  # gone, not expiring
 
@@ -80,19 +93,13 @@ def test_what_a_drain_cannot_finish_goes_to_another_scheduler(own_redis7, make_t
     """A 1 s drain, streams of 320 tokens (several seconds): the victim, which holds
     them all, hands them back as continuations, and a scheduler started as it
     drains (a rolling restart's replacement) ends them as an undisturbed run would."""
-    tier = make_tier(own_redis7.url, **{"drain-timeout-s": "1", "max-running-requests": "8"})
-    victim = tier.start("scheduler")
-    tier.start("detokenizer")
-    url = tier.start_api()
-    tier.wait_ready()
-    [victim_id] = _ids(tier, "scheduler")
+    tier, victim, victim_id, url = _victim_scheduler(
+        make_tier, own_redis7.url, **{"drain-timeout-s": "1", "max-running-requests": "8"})
     texts = prompts(4)
     reference = asyncio.run(stream_many(url, texts, 320))
     got, exit_code, exit_s = _sigterm_once_flowing(url, victim, texts, 320,
                                                    then=lambda: tier.start("scheduler"))
-    figures = report("scheduler SIGTERM, drain 1 s", reference, got, exit_s=round(exit_s, 2))
-    assert figures["lost"] == 0 and figures["differing"] == 0
-    assert all(o.error is None and o.finish == "length" for o in got)
+    _assert_whole("scheduler SIGTERM, drain 1 s", reference, got, exit_s)
     assert exit_code == 0 and exit_s < 5  # its drain time and a step, not a TTL
     assert victim_id not in _ids(tier, "scheduler") | _consumers(tier)
     log = (tier.log_dir / "scheduler-0.log").read_text()
@@ -118,9 +125,7 @@ def test_a_draining_api_finishes_its_streams_and_takes_no_new_ones(own_redis7, m
         raise AssertionError("a draining api took a new connection")
 
     got, exit_code, exit_s = _sigterm_once_flowing(url, api, texts, 64, then=refused)
-    figures = report("api SIGTERM, drained", reference, got, exit_s=round(exit_s, 2))
-    assert figures["lost"] == 0 and figures["differing"] == 0
-    assert all(o.error is None and o.finish == "length" for o in got)
+    _assert_whole("api SIGTERM, drained", reference, got, exit_s)
     assert exit_code == 0
 
 
@@ -137,8 +142,6 @@ def test_a_draining_detokenizer_sends_its_last_replies_and_leaves(own_redis7, ma
     texts = prompts(8)
     reference = asyncio.run(stream_many(url, texts, 64))
     got, exit_code, exit_s = _sigterm_once_flowing(url, victim, texts, 64)
-    figures = report("detokenizer SIGTERM, drained", reference, got, exit_s=round(exit_s, 2))
-    assert figures["lost"] == 0 and figures["differing"] == 0
-    assert all(o.error is None and o.finish == "length" for o in got)
+    _assert_whole("detokenizer SIGTERM, drained", reference, got, exit_s)
     assert exit_code == 0
     assert victim_id not in _ids(tier, "detokenizer") | _consumers(tier, "tokens", DETOKENIZERS)

@@ -8,10 +8,9 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import msgspec
-from redis.exceptions import RedisError
 
 from pipeline.config import Config
 from pipeline.errors import RETRY, InvalidRequest, PipelineError, RequestTimeout
@@ -22,11 +21,9 @@ from pipeline.messages import (
     StepOutput,
     Submit,
     TokenBatch,
-    TokenLogprob,
     control_decoder,
     requests_decoder,
 )
-from pipeline.models import ModelFiles
 from pipeline.recovery import (
     Claimed,
     dead_consumers,
@@ -46,15 +43,10 @@ from pipeline.streams import (
     xadd,
 )
 from pipeline.tokenizer import Tokenizer
-from pipeline.worker import (
-    forever,
-    heartbeat_forever,
-    leave_tier,
-    new_worker_id,
-    retrying,
-)
+from pipeline.worker import new_worker_id
 from workers.scheduler import qgemm_vnni
 from workers.scheduler.engine import Engine, EngineRequest, StepResult
+from workers.scheduler.held import Running
 from workers.scheduler.linear import VNNI_BESIDE_AMX, Kernels
 from workers.text import find_stop, stop_window
 
@@ -65,34 +57,9 @@ PULL_EVERY_S = 0.01  # a step's reads of new requests, this far apart at least
 STEP_EMA = 0.2  # weight of the last step in the average step time
 
 
-@dataclass
-class Running:
-    submit: Submit
-    entry_id: str
-    output_ids: list[int]  # everything the client will have: delivered before + generated here
-    sent: int  # of output_ids, those on their way to the client; the rest are held
-    held_logprobs: list[TokenLogprob] = field(default_factory=list)  # the held ids'
-
-    def due(self, finish: str | None) -> bool:
-        """Whether the held ids go out now (Submit.stream_interval): a streamed
-        run's first token at once (its time to first token waits for no chunk),
-        then every `interval`. Until min_tokens the ids go out step by step when
-        there are stop strings: a stop string completed before min_tokens does
-        not count, and the detokenizer cuts the text at the first one it is sent."""
-        interval, sampling = self.submit.stream_interval, self.submit.sampling
-        if finish is not None or interval == 1:
-            return True
-        if sampling.stop and len(self.output_ids) < sampling.min_tokens:
-            return True
-        if interval == 0:
-            return False
-        first = self.sent == len(self.submit.output_ids)
-        return first or len(self.output_ids) - self.sent >= interval
-
-
 class Scheduler:
     def __init__(self, config: Config, engine: Engine, tokenizer: Tokenizer,
-                 engine_thread: ThreadPoolExecutor):
+                 engine_thread: ThreadPoolExecutor, draining: asyncio.Event | None = None):
         self.config = config
         self.engine = engine
         self.engine_thread = engine_thread
@@ -109,7 +76,7 @@ class Scheduler:
         self.next_upkeep = 0.0
         self.num_expired = 0
         self.step_s = 0.0  # recent engine steps' average wall time (STEP_EMA)
-        self.draining = asyncio.Event()  # set on SIGTERM (pipeline.roles): see drain
+        self.draining = draining or asyncio.Event()  # set on SIGTERM (pipeline.roles)
         self.drain_deadline: float | None = None
         self.drained = False
 
@@ -407,31 +374,3 @@ def kernel_names(kernels: Kernels) -> dict[str, str]:
         return {"4bit_matmul": suffix, "activations": "int8"}
     matmul = "amx" if kernels.amx else "qgemm" if kernels.qgemm else "torch"
     return {"4bit_matmul": matmul, "activations": "exact"}
-
-
-async def run(config: Config, model: ModelFiles, draining: asyncio.Event | None = None) -> None:
-    """The scheduler until cancelled, or until `draining` is set and its drain is done."""
-    # one thread runs the engine, always the same: torch.set_num_threads holds
-    # for the thread that called it only (a fresh thread gets every core)
-    engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-    engine = await asyncio.get_running_loop().run_in_executor(
-        engine_thread, Engine, model.path, config.scheduler)
-    scheduler = Scheduler(config, engine, Tokenizer(model.path), engine_thread)
-    scheduler.draining = draining or scheduler.draining
-    await retrying(scheduler.join, "scheduler join")
-    log.info("scheduler %s pulling %s", scheduler.worker_id, scheduler.keys.requests)
-    beat = asyncio.create_task(heartbeat_forever(
-        scheduler.client, scheduler.keys, "scheduler", scheduler.worker_id, config.redis,
-        scheduler.info))
-    try:
-        await forever(scheduler.step, "scheduler", on_reconnect=scheduler.join,
-                      until=lambda: scheduler.drained)
-        beat.cancel()
-        try:
-            await leave_tier(scheduler.client, scheduler.keys, "scheduler", scheduler.worker_id,
-                             scheduler.keys.requests, SCHEDULERS)
-        except (RedisError, OSError) as error:  # its key expires and its consumer is dropped anyway
-            log.warning("drained, but could not leave the tier at once: %s", error)
-        log.info("drained; scheduler %s left the tier", scheduler.worker_id)
-    finally:
-        beat.cancel()

@@ -1,0 +1,33 @@
+# A request a scheduler runs, with the output ids it holds back between
+# deltas (Submit.stream_interval): what goes out to the client, and when.
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.messages import Submit, TokenLogprob
+
+
+@dataclass
+class Running:
+    submit: Submit
+    entry_id: str
+    output_ids: list[int]  # everything the client will have: delivered before + generated here
+    sent: int  # of output_ids, those on their way to the client; the rest are held
+    held_logprobs: list[TokenLogprob] = field(default_factory=list)  # the held ids'
+
+    def due(self, finish: str | None) -> bool:
+        """Whether the held ids go out now (Submit.stream_interval): a streamed
+        run's first token at once (its time to first token waits for no chunk),
+        then every `interval`. Until min_tokens the ids go out step by step when
+        there are stop strings: a stop string completed before min_tokens does
+        not count, and the detokenizer cuts the text at the first one it is sent."""
+        interval, sampling = self.submit.stream_interval, self.submit.sampling
+        if finish is not None or interval == 1:
+            return True
+        if sampling.stop and len(self.output_ids) < sampling.min_tokens:
+            return True
+        if interval == 0:
+            return False
+        first = self.sent == len(self.submit.output_ids)
+        return first or len(self.output_ids) - self.sent >= interval
