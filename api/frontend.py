@@ -197,7 +197,7 @@ class Frontend:
             if state is None or failure.attempt != state.submit.attempt:
                 continue
             if failure.code == RETRY:
-                self._spawn(self._resubmit(state))
+                self._spawn(self._resubmit(state, died=failure.died))
             else:
                 state.finished = True
                 state.events.put_nowait(failure)
@@ -212,10 +212,12 @@ class Frontend:
         self._tasks.append(task)
         task.add_done_callback(self._tasks.remove)
 
-    async def _resubmit(self, state: RequestState) -> None:
+    async def _resubmit(self, state: RequestState, died: bool = False) -> None:
         """Run a request again as a continuation: the new attempt starts after
-        the tokens this client already has, so nothing is repeated or contradicted."""
+        the tokens this client already has, so nothing is repeated or contradicted.
+        `died`: its scheduler died running it (counted toward the poison limit)."""
         state.submit = msgspec.structs.replace(state.submit, attempt=state.submit.attempt + 1,
+                                               deaths=state.submit.deaths + died,
                                                output_ids=list(state.output_ids))
         state.early.clear()
         self.num_resubmits += 1

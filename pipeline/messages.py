@@ -43,7 +43,8 @@ class Submit(Struct, frozen=True, tag="submit", kw_only=True):
     sampling: Sampling
     deadline_ms: int | None = None  # unix epoch ms; not started after this
     output_ids: list[int] = []
-    attempt: int = 0
+    attempt: int = 0  # runs before this one: each a new attempt, whatever ended it
+    deaths: int = 0  # of those, the ones whose scheduler died (the poison limit counts these)
     # tokens the scheduler gathers before it sends them on, after a run's first token,
     # which goes at once (the finishing delta may carry fewer); 1: every token as it
     # is made; 0: all at once when finished
@@ -109,6 +110,9 @@ class Failed(Struct, frozen=True, tag="failed"):
     code: str  # one of pipeline.errors.CODES
     detail: str
     attempt: int = 0
+    # RETRY: its scheduler died running it (a death toward the poison limit), or
+    # False: a draining scheduler handed it back, which says nothing about the request
+    died: bool = True
 
 
 class TokenBatch(Struct, frozen=True, tag="tokens"):

@@ -27,7 +27,7 @@ def _sigterm_once_flowing(url: str, victim, texts: list[str], max_tokens: int,
         await asyncio.wait_for(started.wait(), 120)
         victim.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
-        then()
+        await asyncio.to_thread(then)  # the streams read on meanwhile
         while victim.poll() is None:  # polled: a thread's wait() waited on busy threads
             await asyncio.sleep(0.05)
         exit_code, exit_s = victim.returncode, time.monotonic() - t0
@@ -145,3 +145,57 @@ def test_a_draining_detokenizer_sends_its_last_replies_and_leaves(own_redis7, ma
     _assert_whole("detokenizer SIGTERM, drained", reference, got, exit_s)
     assert exit_code == 0
     assert victim_id not in _ids(tier, "detokenizer") | _consumers(tier, "tokens", DETOKENIZERS)
+
+
+
+def _successor(tier, old) -> tuple[object, str]:
+    """A new scheduler, and its id once it is live and `old` has exited."""
+    before = _ids(tier, "scheduler")
+    new = tier.start("scheduler")
+    deadline = time.monotonic() + 120
+    while old.poll() is None or not (_ids(tier, "scheduler") - before):
+        assert time.monotonic() < deadline and new.poll() is None, "no successor"
+        time.sleep(0.05)
+    return new, (_ids(tier, "scheduler") - before).pop()
+
+
+def _took(tier, scheduler_id: str, count: int) -> None:
+    """Wait until `scheduler_id` holds `count` requests (pending on it)."""
+    client = redis.Redis.from_url(tier.redis_url)
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            found = client.xpending(Keys(tier.prefix).requests, SCHEDULERS)["consumers"]
+            if any(c["name"].decode() == scheduler_id and c["pending"] >= count for c in found):
+                return
+            time.sleep(0.05)
+    finally:
+        client.close()
+    raise TimeoutError(f"scheduler {scheduler_id} never took {count} requests")
+
+
+def test_hand_backs_by_drains_are_not_deaths_toward_the_poison_limit(own_redis7, make_tier):
+    """Two rolling restarts, then a crash, under the same streams: each drain's
+    hand-back is a new attempt, but only the crash counts toward the 3 deaths
+    that make a request poison, so the last scheduler's rescue runs them on
+    (counted as deaths, their third attempt's crash failed them as poison)."""
+    tier, first, _, url = _victim_scheduler(make_tier, own_redis7.url,
+                                            **{"drain-timeout-s": "0.3"})
+    texts = prompts(2)
+    reference = asyncio.run(stream_many(url, texts, 600))
+    rescuer_log = []
+
+    def restarts() -> None:  # the first scheduler was sent SIGTERM
+        second, second_id = _successor(tier, first)
+        _took(tier, second_id, len(texts))
+        second.send_signal(signal.SIGTERM)
+        third, third_id = _successor(tier, second)
+        _took(tier, third_id, len(texts))
+        third.kill()
+        rescuer_log.append(tier.log_dir / f"scheduler-{len(tier.procs)}.log")
+        tier.start("scheduler")
+
+    got, exit_code, _ = _sigterm_once_flowing(url, first, texts, 600, then=restarts)
+    _assert_whole("two drains, then a crash", reference, got, 0.0)
+    assert exit_code == 0
+    assert f"took over {len(texts)} requests of dead scheduler" in rescuer_log[0].read_text()

@@ -51,7 +51,7 @@ from workers.scheduler.linear import VNNI_BESIDE_AMX, Kernels
 from workers.text import find_stop, stop_window
 
 log = logging.getLogger("pipeline.scheduler")
-MAX_ATTEMPTS = 3  # a request whose scheduler dies this many times is poison
+MAX_DEATHS = 3  # a request whose scheduler dies this many times is poison (drains aside)
 ADMITTED_TTL_S = 30  # retried XADDs arrive within seconds; the keys must not pile up
 PULL_EVERY_S = 0.01  # a step's reads of new requests, this far apart at least
 STEP_EMA = 0.2  # weight of the last step in the average step time
@@ -139,7 +139,8 @@ class Scheduler:
             self.engine.abort(request_id)
             self.to_ack.append(self.running.pop(request_id).entry_id)
             self.failures.append(Failed(request_id, run.submit.reply_to, RETRY,
-                                        "its scheduler is shutting down", run.submit.attempt))
+                                        "its scheduler is shutting down", run.submit.attempt,
+                                        died=False))
         await self.exchange(0)  # the last tokens, the hand-backs and every ack
         self.drained = True
         return True
@@ -258,8 +259,8 @@ class Scheduler:
                                           f"undecodable after its scheduler died: {error}",
                                           self.keys.dead_letters)
             return
-        if submit.attempt + 1 >= MAX_ATTEMPTS:
-            reason = f"request failed on {MAX_ATTEMPTS} schedulers in turn; not retried"
+        if submit.deaths + 1 >= MAX_DEATHS:
+            reason = f"{MAX_DEATHS} schedulers died running this request; not retried"
             await self.client.dead_letter(self.keys.requests, entry.entry_id, entry.raw, reason,
                                           self.keys.dead_letters)
             self.failures.append(Failed(submit.request_id, submit.reply_to, "internal", reason,
