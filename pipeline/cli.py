@@ -59,7 +59,7 @@ Activations = Annotated[str, _opt("ACTIVATIONS", "auto | exact | int8: what a 4-
 Device = Annotated[str, _opt("DEVICE", "auto | cpu | cuda.")]
 KvCacheDtype = Annotated[str, _opt("KV_CACHE_DTYPE", "auto | model | int8: the KV cache's dtype "
                                    "(int8: keys and values rounded to 8 bits per token and "
-                                   "head, half of bf16's memory, on a CPU with AVX-512 VNNI; "
+                                   "head, half of bf16's memory, on a CPU with AVX2; "
                                    "model: the model's; auto: int8 for a bf16 model where it "
                                    "runs, bf16 for an fp32 model on int8 activations (a CPU "
                                    "with AVX2 alone), else model).")]

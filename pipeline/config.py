@@ -57,8 +57,8 @@ class SchedulerConfig:
     device: str = "auto"  # auto | cpu | cuda
     attention_backend: str = "auto"  # auto | torch | flashinfer
     # int8: 8-bit keys and values, each with a scale per token and head (the CPU with
-    # AVX-512 VNNI only) | model: the model's dtype (bf16 or fp32 on the CPU) | auto:
-    # int8 for a bf16 model where it runs, else model
+    # AVX2) | model: the model's dtype (bf16 or fp32 on the CPU) | auto: int8 for a
+    # bf16 model where it runs, bf16 for an fp32 one on int8 activations, else model
     kv_cache_dtype: str = "auto"
     # decode steps of up to this many sequences replay CUDA graphs (flashinfer on
     # CUDA; capped by max_running_requests); 0: every step runs eagerly

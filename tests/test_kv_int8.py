@@ -1,7 +1,8 @@
-"""The 8-bit KV cache (--kv-cache-dtype int8, paged_int8.c): a step's new keys
-and values rounded to 127 levels per token and head, attention over them
-against the same attention computed from the levels in fp32, and against an
-exact cache; its copies and its configuration."""
+"""The 8-bit KV cache (--kv-cache-dtype int8: paged_int8.c on AVX-512 VNNI,
+paged_attention.c's paged_decode_int8 on AVX2, each tested where it runs): a
+step's new keys and values rounded to 127 levels per token and head, attention
+over them against the same attention computed from the levels in fp32, and
+against an exact cache; its copies and its configuration."""
 
 import random
 
@@ -17,16 +18,22 @@ from workers.scheduler.blocks import Copy
 from workers.scheduler.sequence import Sequence
 
 pytestmark = pytest.mark.skipif(paged.load_int8() is None,
-                                reason="no AVX-512 VNNI CPU or no C compiler")
+                                reason="no AVX2 CPU or no C compiler")
+# the engine's choice, and the AVX2 one where that is another (a VNNI CPU)
+KERNELS = [pytest.param(lib, id=name) for name, lib in (
+    ("chosen", paged.load_int8()), ("avx2", paged.load_int8_avx2()))
+    if lib is not None and (name == "chosen" or lib is not paged.load_int8())]
 BLOCKS, BLOCK = 40, 16
 CPU = torch.device("cpu")
 
 
 def step(kv: str, lengths: list[int], prefill: int, prefill_from: int = 0, heads: int = 9,
-         kv_heads: int = 3, dim: int = 64, sharpness: float = 1.0):
+         kv_heads: int = 3, dim: int = 64, sharpness: float = 1.0, lib=None,
+         dtype: torch.dtype = torch.bfloat16):
     """One layer's step over a cache filled by earlier steps of the same
-    kernel: decodes at `lengths`, then a prefill chunk (positions
-    prefill_from..prefill). Returns the output, the cache, the plan and tables."""
+    kernel (`lib`: another build than the engine's): decodes at `lengths`, then
+    a prefill chunk (positions prefill_from..prefill), q, k and v in `dtype`.
+    Returns the output, the cache, the plan and tables."""
     generator = torch.Generator().manual_seed(0)
     cache = make_cache("torch", 1, BLOCKS, BLOCK, kv_heads, dim, torch.bfloat16, CPU, kv)
     blocks = list(range(BLOCKS))
@@ -40,6 +47,8 @@ def step(kv: str, lengths: list[int], prefill: int, prefill_from: int = 0, heads
         tables.append([blocks.pop() for _ in range(-(-length // BLOCK))])
     attention = TorchAttention(cache, heads, kv_heads, dim)
     assert attention.in_place
+    if lib is not None and cache.dtype == torch.int8:
+        attention.kernel = paged.InPlace(cache.k, cache.v, lib, (cache.k_scale, cache.v_scale))
     out = None
     for plan_chunks in ([c for c in history if c.num_tokens], chunks):  # the past, then the step
         plan = StepPlan(plan_chunks, block_size=BLOCK)
@@ -48,7 +57,7 @@ def step(kv: str, lengths: list[int], prefill: int, prefill_from: int = 0, heads
         rows = plan.num_tokens
         q = sharpness * torch.randn(rows, heads, dim, generator=generator)
         k, v = (torch.randn(rows, kv_heads, dim, generator=generator) for _ in range(2))
-        qkv = torch.cat([q, k, v], dim=1).bfloat16()
+        qkv = torch.cat([q, k, v], dim=1).to(dtype)
         q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
         with torch.inference_mode():
             out = attention(0, q, k, v).float()
@@ -72,29 +81,46 @@ def attend_levels(cache: KVCache, q: torch.Tensor, chunks: list[Chunk],
     return torch.stack(rows)
 
 
+@pytest.mark.parametrize("lib", KERNELS)
 @pytest.mark.parametrize("sharpness", [0.01, 1.0, 30.0])
 @pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (8, 8, 64), (10, 2, 64),
                                                   (8, 2, 128), (4, 2, 256)])
-def test_attention_reads_its_levels_as_fp32_would(heads, kv_heads, dim, sharpness):
+def test_attention_reads_its_levels_as_fp32_would(heads, kv_heads, dim, sharpness, lib):
     """Decodes at uneven lengths and a prefill continuing a cached prefix, every
     group size's remainder (3 query heads a pass) and dims 64, 128 and 256: within
-    bf16's rounding of the output (the queries' 14 bits and the weights' 16
-    are finer)."""
+    bf16's rounding of the output (VNNI's queries' 14 bits and weights' 16 are
+    finer; AVX2's are fp32)."""
     out, cache, q, chunks, tables = step("int8", [1, 5, 16, 33, 100, 2], 40, 17, heads,
-                                         kv_heads, dim, sharpness)
+                                         kv_heads, dim, sharpness, lib)
     expected = attend_levels(cache, q, chunks, tables)
     assert out.shape == expected.shape
     assert (out - expected).abs().max().item() <= 2 ** -8 * expected.abs().max().item()
     assert expected.abs().max().item() > 0.1
 
 
-def test_attention_stays_near_an_exact_cache():
-    (ours, *_), (exact, *_) = (step(kv, [5, 16, 33, 100], 40, 17) for kv in ("int8", "model"))
+@pytest.mark.parametrize("lib", KERNELS)
+def test_fp32_queries_and_outputs_read_the_levels_in_fp32(lib):
+    """An fp32 model's step (the AVX2 hosts' int8-activation kernels run one)
+    goes to the kernel as it is: within fp32's rounding on the AVX2 kernel."""
+    out, cache, q, chunks, tables = step("int8", [1, 5, 33, 100], 40, 17, lib=lib,
+                                         dtype=torch.float32)
+    assert out.dtype == torch.float32
+    expected = attend_levels(cache, q, chunks, tables)
+    exact = lib is paged.load_int8_avx2()
+    tolerance = 2 ** -16 if exact else 2 ** -10  # VNNI's queries: 14 bits
+    assert (out - expected).abs().max().item() <= tolerance * expected.abs().max().item()
+
+
+@pytest.mark.parametrize("lib", KERNELS)
+def test_attention_stays_near_an_exact_cache(lib):
+    (ours, *_), (exact, *_) = (step(kv, [5, 16, 33, 100], 40, 17, lib=lib)
+                               for kv in ("int8", "model"))
     assert ((ours - exact).norm() / exact.norm()).item() < 0.03  # measured ~0.01
 
 
-def test_new_keys_and_values_are_127_levels_of_their_own_max():
-    _, cache, *_ = step("int8", [5, 33], 20)
+@pytest.mark.parametrize("lib", KERNELS)
+def test_new_keys_and_values_are_127_levels_of_their_own_max(lib):
+    _, cache, *_ = step("int8", [5, 33], 20, lib=lib)
     written = cache.k_scale[0] > 0  # [kv_heads, slots]
     assert written.sum().item() == 3 * (5 + 33 + 20)
     keys, values = cache.k[0][written].int() - 128, cache.v[0][written].int()

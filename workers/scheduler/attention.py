@@ -254,14 +254,17 @@ def kv_dtype(backend: str, dtype: torch.dtype, device: torch.device,
              kv_cache_dtype: str = "auto", head_dim: int = 64,
              int8_activations: bool = False) -> torch.dtype:
     """int8: 8-bit levels (half of bf16's bytes), read by paged_int8.c on a CPU
-    with AVX-512 VNNI only, for heads of 64, 128 or 256 dims. model: the torch
+    with AVX-512 VNNI, else by paged_attention.c's AVX2 loop, for heads of 64,
+    128 or 256 dims. model: the torch
     backend on the CPU keeps fp32, where torch's bf16 bmm is slow, except for a
     bf16 model on our kernel, which reads bf16; elsewhere the model's dtype.
     auto: int8 for a bf16 model where paged_int8.c runs (the same logits' KL to
     transformers, 1.88x the tokens a MiB, and faster steps: see the README's
     Models); bf16 for an fp32 model whose matmuls round activations to int8
     (`int8_activations`: qgemm_avx2.c, a CPU without VNNI) where our kernel
-    reads it (half the bytes of fp32 to read); else model's choice."""
+    reads it (half the bytes of fp32 to read; int8 there moved the logits
+    further, and gained only at long contexts: README's Models); else model's
+    choice."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ConfigError(f"unknown kv cache dtype {kv_cache_dtype!r}: "
                           f"{', '.join(KV_CACHE_DTYPES)}")
@@ -269,8 +272,8 @@ def kv_dtype(backend: str, dtype: torch.dtype, device: torch.device,
                  and paged.load_int8() is not None)
     if kv_cache_dtype == "int8":
         if not int8_runs:
-            raise ConfigError("an int8 KV cache runs on the CPU only, with AVX-512 VNNI and "
-                              "a C compiler")
+            raise ConfigError("an int8 KV cache runs on the CPU only, with AVX2 and a C "
+                              "compiler")
         if head_dim not in INT8_HEAD_DIMS:
             raise ConfigError(f"an int8 KV cache takes heads of 64, 128 or 256 dims, not "
                               f"{head_dim}")

@@ -38,9 +38,15 @@ def load() -> ctypes.CDLL | None:
 
 @cache
 def load_int8() -> ctypes.CDLL | None:
-    """The kernel over an 8-bit cache (paged_int8.c), where the CPU has AVX-512 VNNI."""
+    """The kernel over an 8-bit cache: paged_int8.c where the CPU has AVX-512
+    VNNI, else paged_attention.c's AVX2 loop over the same cache."""
     return native.load(INT8_SOURCE, INT8_SIGNATURES, INT8_FLAGS,
-                       native.NEEDS_AVX512 | {"avx512_vnni"})
+                       native.NEEDS_AVX512 | {"avx512_vnni"}) or load_int8_avx2()
+
+
+@cache
+def load_int8_avx2() -> ctypes.CDLL | None:
+    return native.load(SOURCE, INT8_SIGNATURES)
 
 
 def build(flags: tuple[str, ...] = ()) -> Path:
@@ -63,9 +69,9 @@ class InPlace:
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  lib: ctypes.CDLL | None = None,
                  scales: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None):
-        """`lib`: a build of the kernel other than load()'s. `scales`: an 8-bit
-        cache's (KVCache.k_scale, v_scale), read through an Int8Cache a layer
-        (self.k, self.v: their addresses); its queries and outputs are bf16."""
+        """`lib`: a build of the kernel other than load()'s (load_int8()'s for
+        an 8-bit cache). `scales`: an 8-bit cache's (KVCache.k_scale, v_scale),
+        read through an Int8Cache a layer (self.k, self.v: their addresses)."""
         self.kv_heads, self.slots, self.dim = k_caches[0].shape
         self.step_tensors: tuple = ()
         self.step_args: tuple = ()
@@ -92,7 +98,10 @@ class InPlace:
 
     def mode(self, dtype: torch.dtype) -> int | None:
         """The kernel's `bf16` argument for q, k, v and out in `dtype`
-        (paged_attention.c's modes), or None where they go through a copy."""
+        (paged_attention.c's modes; the 8-bit kernels take fp32 or bf16), or
+        None where they go through a copy."""
+        if self.int8 is not None and dtype in (torch.float32, torch.bfloat16):
+            return int(dtype == torch.bfloat16)
         if dtype == self.dtype:
             return int(dtype == torch.bfloat16)
         if dtype == torch.float32 and self.dtype == torch.bfloat16 and self.int8 is None:
