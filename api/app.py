@@ -42,7 +42,8 @@ def create_app(config: Config, model: ModelFiles | None = None) -> FastAPI:
         limits = Limits(context_len(model.path), tokenizer.vocab_size, config.api.max_n)
         frontend = Frontend(config.redis, config.api, metrics)
         await frontend.start()
-        app.state.served = Served(model.name, limits, tokenizer, frontend, config.api)
+        names = config.api.served_model_names or (model.name,)
+        app.state.served = Served(names, limits, tokenizer, frontend, config.api)
         try:
             yield
         finally:

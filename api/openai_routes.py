@@ -24,17 +24,17 @@ ServedDep = Annotated[Served, Depends(served)]
 
 @router.get("/v1/models")
 async def list_models(s: ServedDep) -> dict:
-    return {"object": "list", "data": [_model(s)]}
+    return {"object": "list", "data": [_model(s, name) for name in s.model_names]}
 
 
 @router.get("/v1/models/{model:path}")  # :path, as a model id may hold a slash ("org/name")
 async def retrieve_model(model: str, s: ServedDep) -> dict:
     s.check_model(model)
-    return _model(s)
+    return _model(s, model)
 
 
-def _model(s: Served) -> dict:
-    return {"id": s.model_name, "object": "model", "created": 0, "owned_by": "redis-pipeline",
+def _model(s: Served, name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "redis-pipeline",
             "max_model_len": s.limits.context_len}
 
 

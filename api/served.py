@@ -18,18 +18,22 @@ from pipeline.tokenizer import Tokenizer
 
 @dataclass(frozen=True)
 class Served:
-    model_name: str
+    model_names: tuple[str, ...]  # what requests may name it; the first is shown
     limits: Limits
     tokenizer: Tokenizer
     frontend: Frontend
     config: ApiConfig
 
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
     def check_model(self, requested: str | None) -> None:
         """A missing model field means the served one, as with single-model servers."""
-        if requested is not None and requested != self.model_name:
+        if requested is not None and requested not in self.model_names:
             raise ModelNotFound(
                 f"the model {requested!r} does not exist; this server serves "
-                f"{self.model_name!r}",
+                f"{' or '.join(map(repr, self.model_names))}",
                 param="model",
             )
 

@@ -41,6 +41,9 @@ Model = Annotated[str, _opt("MODEL", f"A local HF model directory, or {DEFAULT_M
 Host = Annotated[str, _opt("HOST", "Address the api listens on.")]
 Port = Annotated[int, _opt("PORT", "Port the api listens on.")]
 ApiKey = Annotated[str | None, _opt("API_KEY", "Require 'Authorization: Bearer KEY'.")]
+ServedModelName = Annotated[str | None, _opt(
+    "SERVED_MODEL_NAME", "The model's name in the API (/v1/models, responses, requests' "
+    "model field) instead of --model's; NAME,ALIAS,...: the first is shown, any is taken.")]
 MaxRunning = Annotated[int | None, _opt("MAX_RUNNING_REQUESTS", "Requests batched per "
                                         "scheduler (default: 64 on a CPU, 256 on a GPU).")]
 MaxBatchTokens = Annotated[int | None, _opt("MAX_BATCH_TOKENS", "Tokens per step (chunked "
@@ -91,13 +94,19 @@ def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: in
                  num_threads: int | None, cuda_graph_max_batch: int,
                  request_timeout: float, max_queued_requests: int,
                  alive_ttl_s: float, stream_interval: int,
-                 kv_cache_dtype: str = "auto", drain_timeout_s: float = 20.0) -> Config:
+                 kv_cache_dtype: str = "auto", drain_timeout_s: float = 20.0,
+                 served_model_name: str | None = None) -> Config:
+    names = () if served_model_name is None else tuple(
+        name.strip() for name in served_model_name.split(",") if name.strip())
+    if served_model_name is not None and not names:
+        raise ConfigError("--served-model-name needs a name")
     return Config(
         model=model, drain_timeout_s=drain_timeout_s,
         redis=RedisConfig(url=redis_url, prefix=prefix, alive_ttl_s=alive_ttl_s,
                           heartbeat_s=min(1.0, alive_ttl_s / 4)),
         api=ApiConfig(host=host, port=port, api_key=api_key, request_timeout_s=request_timeout,
-                      max_queued_requests=max_queued_requests, stream_interval=stream_interval),
+                      max_queued_requests=max_queued_requests, stream_interval=stream_interval,
+                      served_model_names=names),
         scheduler=SchedulerConfig(max_running_requests=max_running_requests,
                                   max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb,
                                   dtype=dtype, quantization=quantization,
@@ -112,6 +121,7 @@ def child_env(config: Config, redis_url: str, log_level: str, api_workers: int) 
     values = {
         "REDIS_URL": redis_url, "PREFIX": config.redis.prefix, "MODEL": config.model,
         "HOST": config.api.host, "PORT": config.api.port, "API_KEY": config.api.api_key,
+        "SERVED_MODEL_NAME": ",".join(config.api.served_model_names) or None,
         "API_WORKERS": api_workers,
         "MAX_RUNNING_REQUESTS": config.scheduler.max_running_requests,
         "MAX_BATCH_TOKENS": config.scheduler.max_batch_tokens,
@@ -141,7 +151,8 @@ def serve(
     api_workers: Annotated[int, _opt("API_WORKERS", "api worker processes.")] = 1,
     schedulers: Annotated[int, _opt("SCHEDULERS", "Scheduler processes.")] = 1,
     detokenizers: Annotated[int, _opt("DETOKENIZERS", "Detokenizer processes.")] = 1,
-    api_key: ApiKey = None, max_running_requests: MaxRunning = None,
+    api_key: ApiKey = None, served_model_name: ServedModelName = None,
+    max_running_requests: MaxRunning = None,
     max_batch_tokens: MaxBatchTokens = None, kv_cache_mb: KvCacheMb = None, dtype: Dtype = "auto",
     kv_cache_dtype: KvCacheDtype = "auto",
     quantization: Quantization = "auto", activations: Activations = "auto",
@@ -170,7 +181,8 @@ def serve(
         kv_cache_dtype=kv_cache_dtype,
         request_timeout=request_timeout,
         max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s,
-        stream_interval=stream_interval, drain_timeout_s=drain_timeout_s)
+        stream_interval=stream_interval, drain_timeout_s=drain_timeout_s,
+        served_model_name=served_model_name)
     counts = {"api": api_workers, "scheduler": schedulers, "detokenizer": detokenizers}
     raise typer.Exit(serve_forever(config, counts, lambda url: child_env(config, url, log_level,
                                                                          api_workers)))
@@ -183,7 +195,8 @@ def worker(
     model: Model = DEFAULT_MODEL, port: Port = 8000, host: Host = "127.0.0.1",
     worker_id: WorkerId = None,
     api_workers: Annotated[int, _opt("API_WORKERS", "uvicorn worker processes (api).")] = 1,
-    api_key: ApiKey = None, max_running_requests: MaxRunning = None,
+    api_key: ApiKey = None, served_model_name: ServedModelName = None,
+    max_running_requests: MaxRunning = None,
     max_batch_tokens: MaxBatchTokens = None, kv_cache_mb: KvCacheMb = None, dtype: Dtype = "auto",
     kv_cache_dtype: KvCacheDtype = "auto",
     quantization: Quantization = "auto", activations: Activations = "auto",
@@ -206,7 +219,8 @@ def worker(
         kv_cache_dtype=kv_cache_dtype,
         request_timeout=request_timeout,
         max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s,
-        stream_interval=stream_interval, drain_timeout_s=drain_timeout_s)
+        stream_interval=stream_interval, drain_timeout_s=drain_timeout_s,
+        served_model_name=served_model_name)
     config = _with_worker_id(config, role, worker_id)
     run_role(role.value, config, api_workers=api_workers)
 

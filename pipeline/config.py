@@ -25,6 +25,9 @@ class ApiConfig:
     port: int = 8000
     frontend_id: str | None = None  # None: a fresh random id per process
     api_key: str | None = None
+    # the names requests may give the model, the first the one /v1/models and
+    # responses show; (): the model's own (--model's)
+    served_model_names: tuple[str, ...] = ()
     max_queued_requests: int = 1024  # unadmitted requests before 503
     request_timeout_s: float = 600.0
     max_body_bytes: int = 4 * 1024 * 1024

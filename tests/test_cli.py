@@ -52,6 +52,7 @@ def test_bad_settings_are_one_line_and_exit_2_not_a_traceback(tmp_path):
         (("serve", "--model", str(tmp_path / "nowhere")), "unknown model"),
         (("worker", "--role", "scheduler", "--model", str(tmp_path)), "no config.json"),
         (("worker", "--role", "api", "--api-workers", "2", "--id", "x"), "--id names one"),
+        (("worker", "--role", "api", "--served-model-name", " , "), "needs a name"),
     ]:
         refused = pipeline(*args)
         assert refused.returncode == 2, (args, refused.stderr)

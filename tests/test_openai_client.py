@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import openai
+import pytest
 
 
 def test_openai_client_streams_and_completes_identically(tier):
@@ -32,3 +33,32 @@ def test_openai_client_sees_errors_as_openai_errors(tier):
         assert error.status_code == 404
     else:
         raise AssertionError("an unknown model must be refused")
+
+
+@pytest.fixture(scope="module")
+def renamed_url(tier):
+    """A second api on the same tier that serves the model as "assistant" (and
+    "smol")."""
+    url = tier.start_api(**{"served-model-name": "assistant,smol"})
+    proc, port = tier.procs[-1], tier.api_ports[-1]
+    try:
+        tier.wait_ready()
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        tier.procs.remove(proc)
+        tier.api_ports.remove(port)
+
+
+def test_a_served_model_name_is_what_clients_see_and_name(renamed_url):
+    """--served-model-name: /v1/models lists its names, a request may give any
+    of them and is answered as the first; the model's own name is refused."""
+    client = openai.OpenAI(base_url=f"{renamed_url}/v1", api_key="unused", timeout=120)
+    assert [m.id for m in client.models.list().data] == ["assistant", "smol"]
+    assert client.models.retrieve("smol").id == "smol"
+    answer = client.completions.create(model="smol", prompt="The capital of France is",
+                                       max_tokens=3, temperature=0)
+    assert answer.model == "assistant" and answer.choices[0].text
+    with pytest.raises(openai.NotFoundError, match="'assistant' or 'smol'"):
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt="hi", max_tokens=1)
