@@ -19,6 +19,7 @@ from api.frontend import Frontend
 from api.metrics import Metrics
 from api.sampling import Limits
 from api.served import Served, context_len
+from pipeline import logs
 from pipeline.config import ApiConfig, Config
 from pipeline.config_io import config_from_json
 from pipeline.errors import ConfigError, PipelineError, Unauthorized, error_from_code
@@ -65,6 +66,7 @@ def app_from_env() -> FastAPI:
     text = os.environ.get(CONFIG_ENV)
     if not text:
         raise ConfigError(f"{CONFIG_ENV} is not set; start the api with `pipeline serve`")
+    logs.from_env()
     return create_app(config_from_json(text))
 
 

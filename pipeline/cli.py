@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import enum
-import logging
 import os
 from dataclasses import replace
 from typing import Annotated
@@ -85,6 +84,8 @@ DrainTimeout = Annotated[float, _opt("DRAIN_TIMEOUT_S", "On SIGTERM: seconds a s
                                      "at once, as SIGINT does but to the api (uvicorn: a "
                                      "second Ctrl-C).")]
 LogLevel = Annotated[str, _opt("LOG_LEVEL", "debug | info | warning | error.")]
+LogFormat = Annotated[str, _opt("LOG_FORMAT", "text | json: one JSON object a line (time, "
+                                "level, logger, pid, message), for a log pipeline.")]
 
 
 def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: int,
@@ -116,7 +117,8 @@ def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: in
     )
 
 
-def child_env(config: Config, redis_url: str, log_level: str, api_workers: int) -> dict[str, str]:
+def child_env(config: Config, redis_url: str, log_level: str, api_workers: int,
+              log_format: str = "text") -> dict[str, str]:
     """The PIPELINE_* variables that make `pipeline worker` rebuild `config`."""
     values = {
         "REDIS_URL": redis_url, "PREFIX": config.redis.prefix, "MODEL": config.model,
@@ -133,15 +135,17 @@ def child_env(config: Config, redis_url: str, log_level: str, api_workers: int) 
         "CUDA_GRAPH_MAX_BATCH": config.scheduler.cuda_graph_max_batch,
         "REQUEST_TIMEOUT": config.api.request_timeout_s,
         "MAX_QUEUED_REQUESTS": config.api.max_queued_requests, "LOG_LEVEL": log_level,
+        "LOG_FORMAT": log_format,
         "STREAM_INTERVAL": config.api.stream_interval,
         "ALIVE_TTL_S": config.redis.alive_ttl_s, "DRAIN_TIMEOUT_S": config.drain_timeout_s,
     }
     return {f"PIPELINE_{name}": str(value) for name, value in values.items() if value is not None}
 
 
-def _logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
+def _logging(level: str, fmt: str) -> None:
+    from pipeline import logs
+
+    logs.setup(level, fmt)
 
 
 @app.command()
@@ -160,12 +164,12 @@ def serve(
     request_timeout: Timeout = 600.0,
     max_queued_requests: MaxQueued = 1024, alive_ttl_s: AliveTtl = 5.0,
     stream_interval: StreamInterval = 1, drain_timeout_s: DrainTimeout = 20.0,
-    log_level: LogLevel = "info",
+    log_level: LogLevel = "info", log_format: LogFormat = "text",
 ) -> None:
     """Run every role as its own process, plus an embedded Redis when no URL is given."""
     from pipeline.supervisor import serve_forever
 
-    _logging(log_level)
+    _logging(log_level, log_format)
     if num_threads is None:
         # the cores shared among the schedulers. (Leaving one to the api and detokenizer
         # looked faster only while engine steps ran on varying threads, which ignore
@@ -184,8 +188,8 @@ def serve(
         stream_interval=stream_interval, drain_timeout_s=drain_timeout_s,
         served_model_name=served_model_name)
     counts = {"api": api_workers, "scheduler": schedulers, "detokenizer": detokenizers}
-    raise typer.Exit(serve_forever(config, counts, lambda url: child_env(config, url, log_level,
-                                                                         api_workers)))
+    raise typer.Exit(serve_forever(config, counts, lambda url: child_env(
+        config, url, log_level, api_workers, log_format)))
 
 
 @app.command()
@@ -204,12 +208,12 @@ def worker(
     request_timeout: Timeout = 600.0,
     max_queued_requests: MaxQueued = 1024, alive_ttl_s: AliveTtl = 5.0,
     stream_interval: StreamInterval = 1, drain_timeout_s: DrainTimeout = 20.0,
-    log_level: LogLevel = "info",
+    log_level: LogLevel = "info", log_format: LogFormat = "text",
 ) -> None:
     """Run exactly one role against a shared Redis."""
     from pipeline.roles import run_role
 
-    _logging(log_level)
+    _logging(log_level, log_format)
     config = build_config(
         redis_url=redis_url or "redis://127.0.0.1:6379/0", prefix=prefix, model=model,
         host=host, port=port, api_key=api_key, max_running_requests=max_running_requests,

@@ -78,7 +78,8 @@ def run_api(config: Config, model: ModelFiles, api_workers: int) -> None:
     try:
         uvicorn.run("api.app:app_from_env", factory=True, host=config.api.host,
                     port=config.api.port, workers=api_workers if api_workers > 1 else None,
-                    log_level="warning", timeout_graceful_shutdown=config.drain_timeout_s)
+                    log_level="warning", log_config=None,  # its records go through pipeline.logs
+                    timeout_graceful_shutdown=config.drain_timeout_s)
     finally:
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)

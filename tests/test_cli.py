@@ -1,5 +1,5 @@
 """The `pipeline` command as an operator runs it: `status` against the session's
-real tier, and bad settings refused in one line."""
+real tier, bad settings refused in one line, and logs as JSON lines."""
 
 from __future__ import annotations
 
@@ -58,3 +58,31 @@ def test_bad_settings_are_one_line_and_exit_2_not_a_traceback(tmp_path):
         assert refused.returncode == 2, (args, refused.stderr)
         assert refused.stderr.startswith("error: ") and words in refused.stderr
         assert "Traceback" not in refused.stderr + refused.stdout
+
+
+def _stderr_lines(*args: str, count: int) -> list[str]:
+    """The first `count` lines a `pipeline` command writes to stderr (it is then
+    stopped, if it has not ended)."""
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        return [line for line in (proc.stderr.readline() for _ in range(count)) if line]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_json_logs_are_one_object_a_line_uvicorn_s_too(tier):
+    """--log-format json: a worker waiting for Redis, and an api whose port is
+    taken (uvicorn's own error), each write JSON objects with the same fields."""
+    waiting = _stderr_lines("worker", "--role", "detokenizer", "--log-format", "json",
+                            "--redis-url", "redis://127.0.0.1:1/0", count=2)
+    port = tier.base_url.rsplit(":", 1)[1]
+    refused = _stderr_lines("worker", "--role", "api", "--log-format", "json", "--port", port,
+                            "--redis-url", tier.redis_url, "--prefix", tier.prefix, count=1)
+    records = [json.loads(line) for line in waiting + refused]
+    assert len(records) == 3
+    assert all(set(r) >= {"time", "level", "logger", "pid", "message"} for r in records)
+    assert "Redis unavailable" in records[0]["message"] and records[0]["level"] == "WARNING"
+    assert records[2]["logger"].startswith("uvicorn") and "address already in use" in (
+        records[2]["message"].lower())
