@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -102,6 +104,22 @@ class Tier:
                 return
             time.sleep(0.2)
         raise TimeoutError(f"tier not ready after {timeout_s}s; logs in {self.log_dir}")
+
+    @contextmanager
+    def extra_api(self, **options) -> Iterator[tuple[str, subprocess.Popen]]:
+        """Another api on this tier, with `options`, ready: its URL and process;
+        stopped after, and taken off the tier's lists (a session's tier checks
+        that every process and api of its own is up)."""
+        url = self.start_api(**options)
+        proc, port = self.procs[-1], self.api_ports[-1]
+        try:
+            self.wait_ready()
+            yield url, proc
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
+            self.procs.remove(proc)
+            self.api_ports.remove(port)
 
     def stop(self) -> None:
         for proc in self.procs:

@@ -126,16 +126,8 @@ def test_generate_route_returns_text_and_ids(tier, reference):
 @pytest.fixture(scope="module")
 def chunky_url(tier):
     """A second api on the same tier, whose streamed chunks carry 4 tokens each."""
-    url = tier.start_api(**{"stream-interval": 4})
-    proc, port = tier.procs[-1], tier.api_ports[-1]
-    try:
-        tier.wait_ready()
+    with tier.extra_api(**{"stream-interval": 4}) as (url, _):
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        tier.procs.remove(proc)
-        tier.api_ports.remove(port)
 
 
 def stream_completion(base_url: str, body: dict) -> list[dict]:

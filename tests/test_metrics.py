@@ -121,10 +121,7 @@ def test_malformed_liveness_records_are_skipped_not_a_failed_scrape():
 
 def test_api_workers_share_their_counts_and_clean_up_after(tier):
     """Whichever of --api-workers 2 answers a scrape, it counts both workers' requests."""
-    base_url = tier.start_api(**{"api-workers": 2})
-    proc = tier.procs[-1]
-    try:
-        tier.wait_ready()
+    with tier.extra_api(**{"api-workers": 2}) as (base_url, proc):
         body = {"prompt": "Hello", "max_tokens": 2, "ignore_eos": True}
         frontends, sent = set(), 0
         # a fresh connection each, until both workers have answered (the second may
@@ -147,11 +144,5 @@ def test_api_workers_share_their_counts_and_clean_up_after(tier):
         folders = {Path(w.environ()["PROMETHEUS_MULTIPROC_DIR"]) for w in workers
                    if "PROMETHEUS_MULTIPROC_DIR" in w.environ()}
         assert len(folders) == 1 and next(iter(folders)).is_dir()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
-        # the session's tier checks that its processes and apis are all up
-        tier.procs.remove(proc)
-        tier.api_ports.pop()
     assert not next(iter(folders)).exists()
 

@@ -39,16 +39,8 @@ def test_openai_client_sees_errors_as_openai_errors(tier):
 def renamed_url(tier):
     """A second api on the same tier that serves the model as "assistant" (and
     "smol")."""
-    url = tier.start_api(**{"served-model-name": "assistant,smol"})
-    proc, port = tier.procs[-1], tier.api_ports[-1]
-    try:
-        tier.wait_ready()
+    with tier.extra_api(**{"served-model-name": "assistant,smol"}) as (url, _):
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        tier.procs.remove(proc)
-        tier.api_ports.remove(port)
 
 
 def test_a_served_model_name_is_what_clients_see_and_name(renamed_url):
