@@ -110,8 +110,8 @@ class Failed(Struct, frozen=True, tag="failed"):
     code: str  # one of pipeline.errors.CODES
     detail: str
     attempt: int = 0
-    # RETRY: its scheduler died running it (a death toward the poison limit), or
-    # False: a draining scheduler handed it back, which says nothing about the request
+    # why a RETRY: its scheduler died running it (True: a death toward the poison
+    # limit), or a draining scheduler handed it back (False: nothing against it)
     died: bool = True
 
 

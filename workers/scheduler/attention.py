@@ -255,9 +255,9 @@ def kv_dtype(backend: str, dtype: torch.dtype, device: torch.device,
              int8_activations: bool = False) -> torch.dtype:
     """int8: 8-bit levels (half of bf16's bytes), read by paged_int8.c on a CPU
     with AVX-512 VNNI, else by paged_attention.c's AVX2 loop, for heads of 64,
-    128 or 256 dims. model: the torch
-    backend on the CPU keeps fp32, where torch's bf16 bmm is slow, except for a
-    bf16 model on our kernel, which reads bf16; elsewhere the model's dtype.
+    128 or 256 dims. model: the torch backend on the CPU keeps fp32, where
+    torch's bf16 bmm is slow, except for a bf16 model on our kernel, which reads
+    bf16; elsewhere the model's dtype.
     auto: int8 for a bf16 model where paged_int8.c runs (the same logits' KL to
     transformers, 1.88x the tokens a MiB, and faster steps: see the README's
     Models); bf16 for an fp32 model whose matmuls round activations to int8

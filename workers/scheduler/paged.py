@@ -46,6 +46,7 @@ def load_int8() -> ctypes.CDLL | None:
 
 @cache
 def load_int8_avx2() -> ctypes.CDLL | None:
+    """paged_attention.c's AVX2 build, for its paged_decode_int8."""
     return native.load(SOURCE, INT8_SIGNATURES)
 
 

@@ -289,7 +289,8 @@ static inline __attribute__((always_inline)) void decode(
                 float *weight = on_heap ? malloc(sizeof(float) * floats) : stack_floats;
                 float *query = weight + (size_t)group * len, *result = query + group * dim;
                 uint32_t *pairs = (uint32_t *)(result + group * dim);
-                Scales task = {(float *)pairs + pair_words, (float *)pairs + pair_words + len, {0}};
+                float *key_scales = (float *)pairs + pair_words, *value_scales = key_scales + len;
+                Scales task = {key_scales, value_scales, {0}};
                 const char *k_head = (const char *)k_cache + (size_t)h * cache_slots * row_bytes;
                 const char *v_head = (const char *)v_cache + (size_t)h * cache_slots * row_bytes;
                 for (int p = 0; p < len; p += block_size) {  /* a block's slots are in a row */
@@ -299,8 +300,8 @@ static inline __attribute__((always_inline)) void decode(
                         keys[p + i] = k_head + (slot + i) * row_bytes;
                         values[p + i] = v_head + (slot + i) * row_bytes;
                         if (INT8) {
-                            ((float *)task.keys)[p + i] = k_scales[h * cache_slots + slot + i];
-                            ((float *)task.values)[p + i] = v_scales[h * cache_slots + slot + i];
+                            key_scales[p + i] = k_scales[h * cache_slots + slot + i];
+                            value_scales[p + i] = v_scales[h * cache_slots + slot + i];
                         }
                     }
                 }
