@@ -84,6 +84,8 @@ DrainTimeout = Annotated[float, _opt("DRAIN_TIMEOUT_S", "On SIGTERM: seconds a s
                                      "at once, as SIGINT does but to the api (uvicorn: a "
                                      "second Ctrl-C).")]
 LogLevel = Annotated[str, _opt("LOG_LEVEL", "debug | info | warning | error.")]
+AccessLog = Annotated[bool, _opt("ACCESS_LOG", "Log every HTTP request (api: client, method, "
+                                 "path, status).")]
 LogFormat = Annotated[str, _opt("LOG_FORMAT", "text | json: one JSON object a line (time, "
                                 "level, logger, pid, message), for a log pipeline.")]
 
@@ -96,7 +98,7 @@ def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: in
                  request_timeout: float, max_queued_requests: int,
                  alive_ttl_s: float, stream_interval: int,
                  kv_cache_dtype: str = "auto", drain_timeout_s: float = 20.0,
-                 served_model_name: str | None = None) -> Config:
+                 served_model_name: str | None = None, access_log: bool = False) -> Config:
     names = () if served_model_name is None else tuple(
         name.strip() for name in served_model_name.split(",") if name.strip())
     if served_model_name is not None and not names:
@@ -107,7 +109,7 @@ def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: in
                           heartbeat_s=min(1.0, alive_ttl_s / 4)),
         api=ApiConfig(host=host, port=port, api_key=api_key, request_timeout_s=request_timeout,
                       max_queued_requests=max_queued_requests, stream_interval=stream_interval,
-                      served_model_names=names),
+                      served_model_names=names, access_log=access_log),
         scheduler=SchedulerConfig(max_running_requests=max_running_requests,
                                   max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb,
                                   dtype=dtype, quantization=quantization,
@@ -124,6 +126,7 @@ def child_env(config: Config, redis_url: str, log_level: str, api_workers: int,
         "REDIS_URL": redis_url, "PREFIX": config.redis.prefix, "MODEL": config.model,
         "HOST": config.api.host, "PORT": config.api.port, "API_KEY": config.api.api_key,
         "SERVED_MODEL_NAME": ",".join(config.api.served_model_names) or None,
+        "ACCESS_LOG": "true" if config.api.access_log else None,
         "API_WORKERS": api_workers,
         "MAX_RUNNING_REQUESTS": config.scheduler.max_running_requests,
         "MAX_BATCH_TOKENS": config.scheduler.max_batch_tokens,
@@ -164,7 +167,7 @@ def serve(
     request_timeout: Timeout = 600.0,
     max_queued_requests: MaxQueued = 1024, alive_ttl_s: AliveTtl = 5.0,
     stream_interval: StreamInterval = 1, drain_timeout_s: DrainTimeout = 20.0,
-    log_level: LogLevel = "info", log_format: LogFormat = "text",
+    log_level: LogLevel = "info", log_format: LogFormat = "text", access_log: AccessLog = False,
 ) -> None:
     """Run every role as its own process, plus an embedded Redis when no URL is given."""
     from pipeline.supervisor import serve_forever
@@ -186,7 +189,7 @@ def serve(
         request_timeout=request_timeout,
         max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s,
         stream_interval=stream_interval, drain_timeout_s=drain_timeout_s,
-        served_model_name=served_model_name)
+        served_model_name=served_model_name, access_log=access_log)
     counts = {"api": api_workers, "scheduler": schedulers, "detokenizer": detokenizers}
     raise typer.Exit(serve_forever(config, counts, lambda url: child_env(
         config, url, log_level, api_workers, log_format)))
@@ -208,7 +211,7 @@ def worker(
     request_timeout: Timeout = 600.0,
     max_queued_requests: MaxQueued = 1024, alive_ttl_s: AliveTtl = 5.0,
     stream_interval: StreamInterval = 1, drain_timeout_s: DrainTimeout = 20.0,
-    log_level: LogLevel = "info", log_format: LogFormat = "text",
+    log_level: LogLevel = "info", log_format: LogFormat = "text", access_log: AccessLog = False,
 ) -> None:
     """Run exactly one role against a shared Redis."""
     from pipeline.roles import run_role
@@ -224,7 +227,7 @@ def worker(
         request_timeout=request_timeout,
         max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s,
         stream_interval=stream_interval, drain_timeout_s=drain_timeout_s,
-        served_model_name=served_model_name)
+        served_model_name=served_model_name, access_log=access_log)
     config = _with_worker_id(config, role, worker_id)
     run_role(role.value, config, api_workers=api_workers)
 

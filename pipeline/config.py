@@ -28,6 +28,7 @@ class ApiConfig:
     # the names requests may give the model, the first the one /v1/models and
     # responses show; (): the model's own (--model's)
     served_model_names: tuple[str, ...] = ()
+    access_log: bool = False  # a record for every HTTP request (uvicorn's, at info)
     max_queued_requests: int = 1024  # unadmitted requests before 503
     request_timeout_s: float = 600.0
     max_body_bytes: int = 4 * 1024 * 1024

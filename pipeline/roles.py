@@ -78,7 +78,9 @@ def run_api(config: Config, model: ModelFiles, api_workers: int) -> None:
     try:
         uvicorn.run("api.app:app_from_env", factory=True, host=config.api.host,
                     port=config.api.port, workers=api_workers if api_workers > 1 else None,
-                    log_level="warning", log_config=None,  # its records go through pipeline.logs
+                    # its records go through pipeline.logs; info: the access log's level
+                    log_config=None, log_level="info" if config.api.access_log else "warning",
+                    access_log=config.api.access_log,
                     timeout_graceful_shutdown=config.drain_timeout_s)
     finally:
         if metrics_dir is not None:

@@ -69,7 +69,7 @@ class Tier:
         cmd = [sys.executable, "-m", "pipeline.cli", "worker", "--role", role,
                "--redis-url", self.redis_url, "--prefix", self.prefix]
         for name, value in (self.options | options).items():
-            cmd += [f"--{name}", str(value)]
+            cmd += [f"--{name}"] if value is True else [f"--{name}", str(value)]  # True: a flag
         log = open(self.log_dir / f"{role}-{len(self.procs)}.log", "w")
         env = worker_env() | {"TOKENIZERS_PARALLELISM": "false"}
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

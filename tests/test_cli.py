@@ -1,11 +1,14 @@
 """The `pipeline` command as an operator runs it: `status` against the session's
-real tier, bad settings refused in one line, and logs as JSON lines."""
+real tier, bad settings refused in one line, and logs as JSON lines (an
+access log's too)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+
+import httpx
 
 from pipeline.status import live_workers
 
@@ -86,3 +89,18 @@ def test_json_logs_are_one_object_a_line_uvicorn_s_too(tier):
     assert "Redis unavailable" in records[0]["message"] and records[0]["level"] == "WARNING"
     assert records[2]["logger"].startswith("uvicorn") and "address already in use" in (
         records[2]["message"].lower())
+
+
+def test_an_access_log_records_each_request(tier):
+    """--access-log with --log-format json: uvicorn's record of each request,
+    method, path and status in its message, as a JSON line in the api's log."""
+    with tier.extra_api(**{"access-log": True, "log-format": "json"}) as (url, proc):
+        body = {"prompt": "Hello", "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        assert httpx.get(f"{url}/v1/models/nope", timeout=10).status_code == 404
+    records = [json.loads(line) for p in tier.log_dir.glob("api-*.log")
+               for line in p.read_text().splitlines() if line.startswith("{")]
+    access = [r["message"] for r in records
+              if r["logger"] == "uvicorn.access" and r["pid"] == proc.pid]
+    assert any('"POST /v1/completions HTTP/1.1" 200' in m for m in access), access
+    assert any('"GET /v1/models/nope HTTP/1.1" 404' in m for m in access), access
