@@ -90,7 +90,9 @@ def serve_forever(config: Config, counts: dict[str, int],
                 children.start(f"{role}-{i}", role)
         url = f"http://{config.api.host}:{config.api.port}"
         if _wait_ready(url, redis_url, config.redis.prefix, children, stopping):
-            print(f"pipeline serving {config.model} at {url}/v1 (Redis: {redis_url})", flush=True)
+            names = config.api.served_model_names
+            model = f"{config.model} as {names[0]}" if names else config.model
+            print(f"pipeline serving {model} at {url}/v1 (Redis: {redis_url})", flush=True)
         while not stopping:
             children.restart_dead()
             time.sleep(0.2)
