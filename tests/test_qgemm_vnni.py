@@ -222,6 +222,19 @@ def test_vnni_bound_times_each_weight_against_its_instructions_alone(capsys):
     assert all(float(cells[2]) > 0 and cells[3].endswith("x") for cells in table)
 
 
+def test_avx2_bound_times_each_weight_against_its_tile_in_l1(capsys):
+    """bench/avx2_bound.py: the kernel's own tile with everything in L1
+    (bench/avx2_bound.c on the kernel's source) and the whole kernel on every
+    projection and the lm_head, a ratio each."""
+    if qgemm_vnni.load_avx2() is None:
+        pytest.skip("no AVX2 build here")
+    load_bench_script("avx2_bound").main(["--rows", "4", "--layers", "1"])
+    table = [line.strip("| ").split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [cells[0].split()[0] for cells in table] == ["qkv", "o", "gate_up", "down", "lm_head"]
+    assert all(float(cells[2]) > 0 and float(cells[3]) > 0 and cells[4].endswith("x")
+               for cells in table)
+
+
 @each_library
 def test_fine_kernels_sum_14_bit_activations_exactly(checkpoint, on):
     """The fine kernels' two int8 parts of each 14-bit level add up exactly:
