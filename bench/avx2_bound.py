@@ -9,18 +9,20 @@ Run: .venv/bin/python bench/avx2_bound.py [--rows 64 --layers 30]"""
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from vnni_bound import (  # beside this script: bench/ is on the path
+    packed,
+    parse_args,
+    step_weights,
+    unit_ns,
+)
 
-from pipeline.models import DEFAULT_MODEL, resolve_model
 from workers.scheduler import native, qgemm_vnni
-from workers.scheduler.model import read_spec
 
 KERNELS = Path(qgemm_vnni.__file__).parent
 
@@ -38,19 +40,11 @@ def build_tile(folder: Path) -> ctypes.CDLL:
     return lib
 
 
-def packed(out_dim: int, in_dim: int, bits: int, generator: torch.Generator):
-    scale = torch.rand(out_dim, in_dim // 32, generator=generator) * 0.01
-    if bits == 4:
-        levels = torch.randint(0, 16, (out_dim, in_dim), generator=generator)
-        return qgemm_vnni.pack_q4(levels, scale, -8 * scale, on="avx2")
-    levels = torch.randint(-127, 128, (out_dim, in_dim), generator=generator)
-    return qgemm_vnni.pack_q8(levels, scale, on="avx2")
-
-
 def tile_ns(lib: ctypes.CDLL, in_dim: int, bits: int) -> float:
     """ns a unit of the tile alone (best of 5)."""
     generator = torch.Generator().manual_seed(in_dim)
-    w, x = packed(16, in_dim, bits, generator), torch.randn(4, in_dim, generator=generator)
+    w = packed(16, in_dim, bits, generator, "avx2")
+    x = torch.randn(4, in_dim, generator=generator)
     reps = 2_000_000 // in_dim
     best = min(lib.tile_seconds(reps, in_dim, x.data_ptr(), w.q.data_ptr(), bits)
                for _ in range(5))
@@ -60,39 +54,24 @@ def tile_ns(lib: ctypes.CDLL, in_dim: int, bits: int) -> float:
 def kernel_ns(out_dim: int, in_dim: int, bits: int, rows: int, copies: int) -> float:
     """ns a unit of the kernel over `copies` distinct weights (best of 5 passes)."""
     generator = torch.Generator().manual_seed(out_dim + in_dim)
-    weights = [packed(out_dim, in_dim, bits, generator) for _ in range(copies)]
+    weights = [packed(out_dim, in_dim, bits, generator, "avx2") for _ in range(copies)]
     x = torch.randn(rows, in_dim, generator=generator)
     out = torch.empty(rows, out_dim)
     kernel = getattr(qgemm_vnni.load_avx2(), f"q{bits}_gemm_avx2")
-
-    def one_pass() -> float:
-        start = time.perf_counter()
-        for w in weights:
-            kernel(x.data_ptr(), rows, in_dim, w.q.data_ptr(), out.data_ptr(), 0, out_dim)
-        return time.perf_counter() - start
-
-    one_pass()
-    units = rows * (in_dim // 32) * (out_dim // 16) * copies
-    return min(one_pass() for _ in range(5)) / units * 1e9
+    return unit_ns(lambda w: kernel(x.data_ptr(), rows, in_dim, w.q.data_ptr(), out.data_ptr(),
+                                    0, out_dim), weights, rows)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=30,
-                        help="distinct weights a projection, streaming as in a step")
-    args = parser.parse_args(argv)
+    args = parse_args(argv, __doc__)
     if qgemm_vnni.load_avx2() is None:
         raise SystemExit("no AVX2, FMA and F16C here, or no compiler: nothing to measure")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as folder:
         lib = build_tile(Path(folder))
-    spec = read_spec(resolve_model(DEFAULT_MODEL).path)
-    rows = [(name, *shape, 4, args.layers) for name, shape in spec.projections().items()]
-    rows.append(("lm_head", spec.vocab_size, spec.hidden_size, 8, 1))
     print("| weight | bits | ns a unit | its tile in L1 | kernel / tile |")
     print("|---|---:|---:|---:|---:|")
-    for name, out_dim, in_dim, bits, copies in rows:
+    for name, out_dim, in_dim, bits, copies in step_weights(args.layers):
         ns, alone = kernel_ns(out_dim, in_dim, bits, args.rows, copies), tile_ns(lib, in_dim, bits)
         print(f"| {name} {out_dim}x{in_dim} | {bits} | {ns:.3f} | {alone:.3f} | "
               f"{ns / alone:.2f}x |")
