@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 
+from pipeline import logs
 from pipeline.bench import bench_command
 from pipeline.config import ApiConfig, Config, RedisConfig, SchedulerConfig
 from pipeline.errors import ConfigError
@@ -120,7 +121,7 @@ def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: in
 
 
 def child_env(config: Config, redis_url: str, log_level: str, api_workers: int,
-              log_format: str = "text") -> dict[str, str]:
+              log_format: str) -> dict[str, str]:
     """The PIPELINE_* variables that make `pipeline worker` rebuild `config`."""
     values = {
         "REDIS_URL": redis_url, "PREFIX": config.redis.prefix, "MODEL": config.model,
@@ -145,12 +146,6 @@ def child_env(config: Config, redis_url: str, log_level: str, api_workers: int,
     return {f"PIPELINE_{name}": str(value) for name, value in values.items() if value is not None}
 
 
-def _logging(level: str, fmt: str) -> None:
-    from pipeline import logs
-
-    logs.setup(level, fmt)
-
-
 @app.command()
 def serve(
     port: Port = 8000, host: Host = "127.0.0.1", redis_url: RedisUrl = None,
@@ -172,7 +167,7 @@ def serve(
     """Run every role as its own process, plus an embedded Redis when no URL is given."""
     from pipeline.supervisor import serve_forever
 
-    _logging(log_level, log_format)
+    logs.setup(log_level, log_format)
     if num_threads is None:
         # the cores shared among the schedulers. (Leaving one to the api and detokenizer
         # looked faster only while engine steps ran on varying threads, which ignore
@@ -216,7 +211,7 @@ def worker(
     """Run exactly one role against a shared Redis."""
     from pipeline.roles import run_role
 
-    _logging(log_level, log_format)
+    logs.setup(log_level, log_format)
     config = build_config(
         redis_url=redis_url or "redis://127.0.0.1:6379/0", prefix=prefix, model=model,
         host=host, port=port, api_key=api_key, max_running_requests=max_running_requests,

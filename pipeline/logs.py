@@ -43,5 +43,7 @@ def setup(level: str = "info", fmt: str = "text") -> None:
 
 
 def from_env() -> None:
-    """In a process uvicorn started: log as the `pipeline` command that started it."""
-    setup(os.environ.get(LEVEL_ENV, "info"), os.environ.get(FORMAT_ENV, "text"))
+    """In a process uvicorn started (--api-workers): log as the `pipeline` command
+    that started it. Where that command's setup already holds, nothing to do."""
+    if not logging.getLogger().handlers:
+        setup(os.environ.get(LEVEL_ENV, "info"), os.environ.get(FORMAT_ENV, "text"))
