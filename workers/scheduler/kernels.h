@@ -243,6 +243,11 @@ static inline void best_finish(Best *b, int64_t *out) {
 }
 #endif
 
+/* A layer's 8-bit keys or values (paged_int8.c, and paged_attention.c's AVX2
+   loop): levels [kv_heads, cache_slots, dim], scales [kv_heads, cache_slots]
+   (paged.InPlace builds one for each). */
+typedef struct { void *levels; float *scales; } Int8Cache;
+
 /* A parallel region's blocks of work, shared out by stealing: each thread
    takes its own contiguous range from the front and, when done, the other
    threads' last blocks from the back. The OS preempts one of the engine's

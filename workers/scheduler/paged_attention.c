@@ -215,10 +215,6 @@ static float quantize_row(const void *x, int bf16, int dim, int offset, uint8_t 
    bf16 cache: the new keys and values rounded to nearest even as written). */
 enum { ALL_FP32 = 0, ALL_BF16 = 1, CACHE_BF16 = 2 };
 
-/* A layer's 8-bit keys or values: levels [kv_heads, cache_slots, dim], scales
-   [kv_heads, cache_slots] (paged.InPlace builds one for each). */
-typedef struct { void *levels; float *scales; } Int8Cache;
-
 /* paged_decode's work on either cache: KIND F32, BF16 or U8 (an 8-bit one,
    k_cache and v_cache Int8Caches); `bf16`: q, k, v and out's dtype. */
 static inline __attribute__((always_inline)) void decode(

@@ -248,10 +248,6 @@ static void prefetch_task(const uint8_t *k_head, const int8_t *v_head, const flo
     }
 }
 
-/* A layer's keys or values: levels [kv_heads, cache_slots, dim], scales
-   [kv_heads, cache_slots] (paged.InPlace builds one for each). */
-typedef struct { void *levels; float *scales; } Int8Cache;
-
 /* paged_decode's arguments and signature (so layers.c calls either), q, k, v
    and out all bf16 if `bf16`, else fp32; k_cache and v_cache are Int8Caches. */
 void paged_decode_int8(const void *q, int64_t q_stride, const void *k, int64_t k_stride,
