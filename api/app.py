@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import re
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -28,6 +29,7 @@ from pipeline.tokenizer import Tokenizer
 
 CONFIG_ENV = "PIPELINE_CONFIG_JSON"
 OPEN_PATHS = frozenset({"/health"})  # load balancers probe without the key
+REQUEST_ID_PATTERN = re.compile(rb"[\x21-\x7e]{1,128}")
 
 
 def create_app(config: Config, model: ModelFiles | None = None) -> FastAPI:
@@ -73,8 +75,10 @@ def app_from_env() -> FastAPI:
 class RequestGuard:
     """Checks the API key, then reads the body up to max_body_bytes, before any route
     runs: a refused request costs no parsing, and a huge one is never held whole.
-    Every response names the frontend that served it (x-pipeline-frontend), and is
-    counted and timed (/metrics) by its status once its last byte is sent."""
+    Every response names the frontend that served it (x-pipeline-frontend) and its
+    request (x-request-id: the client's own, as a gateway sets it, or a fresh one;
+    the same id tags what the api logs for it), and is counted and timed (/metrics)
+    by its status once its last byte is sent."""
 
     def __init__(self, app: ASGIApp, config: ApiConfig, metrics: Metrics):
         self.app = app
@@ -87,8 +91,12 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         start, status = time.perf_counter(), [None]
+        request_id = _request_id(scope)
+        # not reset afterwards: the server runs each request in a task of its own, whose
+        # context dies with it, and a 500's record is logged outside this call
+        logs.REQUEST_ID.set(request_id)
         try:
-            await self._guarded(scope, receive, self._tagged(send, status))
+            await self._guarded(scope, receive, self._tagged(send, status, request_id))
         except Exception:
             status[0] = status[0] or 500  # Starlette's outermost middleware answers it
             raise
@@ -106,11 +114,13 @@ class RequestGuard:
         if body is not None:  # None: the client left while sending
             await self.app(scope, _replay(body, receive), send)
 
-    def _tagged(self, send: Send, status: list[int | None]) -> Send:
+    def _tagged(self, send: Send, status: list[int | None], request_id: str) -> Send:
+        headers = [self.header, (b"x-request-id", request_id.encode())]
+
         async def tagged(message: dict) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
-                message = message | {"headers": [*message.get("headers", []), self.header]}
+                message = message | {"headers": [*message.get("headers", []), *headers]}
             await send(message)
 
         return tagged
@@ -143,6 +153,14 @@ class RequestGuard:
     def _too_large(self) -> PipelineError:
         return error_from_code("payload_too_large",
                                f"the request body is over {self.config.max_body_bytes} bytes")
+
+
+def _request_id(scope: Scope) -> str:
+    """The client's x-request-id where it is 1-128 visible ASCII characters; else ours."""
+    given = dict(scope["headers"]).get(b"x-request-id", b"")
+    if REQUEST_ID_PATTERN.fullmatch(given):
+        return given.decode()
+    return uuid.uuid4().hex
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -62,7 +62,7 @@ async def generate(body: GenerateRequest, request: Request, s: ServedDep):
     sampling = _sampling(body, len(prompt_ids), s)
     request_id = uuid.uuid4().hex
     response_id = body.rid or request_id
-    events = choice_events(s.frontend, prompt_ids, [sampling], request_id,
+    events = choice_events(s.frontend, [(prompt_ids, sampling)], request_id,
                            s.config.request_timeout_s, s.delta_interval(body.stream))
     tokenizer = s.tokenizer if body.return_logprob else None
     if body.stream:

@@ -1,6 +1,7 @@
 # The OpenAI-compatible routes: /v1/models (and one model by id), /v1/chat/completions,
 # /v1/completions.
-# Each checks and tokenizes its request, then runs n choices through the Frontend.
+# Each checks and tokenizes its request, then runs n choices of each prompt through the
+# Frontend (a completion may send a batch of prompts).
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from fastapi import APIRouter, Depends, Request
 
 from api.protocol import ChatMessage, ChatRequest, CompletionRequest, ContentPart, OpenAIRequest
 from api.responses import Job, stream_chunks, whole_response
-from api.sampling import check_prompt, to_sampling
+from api.sampling import MAX_PROMPTS, check_prompt, to_sampling
 from api.served import Served, served
 from api.streaming import EventStream, choice_events, collect, per_choice, started
 from pipeline.errors import InvalidRequest
@@ -51,17 +52,26 @@ async def chat_completions(body: ChatRequest, request: Request, s: ServedDep):
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     sampling = to_sampling(body, num_prompt_tokens=len(prompt_ids), limits=s.limits,
                            num_logprobs=num_logprobs, logprobs_param="top_logprobs")
-    job = _job(body, s, True, prompt_ids, sampling)
+    job = _job(body, s, True, [prompt_ids], per_choice(sampling, body.n))
     return await _run(job, body.stream, request, s)
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, s: ServedDep):
     _check_common(body, s)
-    prompt_ids = check_prompt(_prompt_ids(body.prompt, s), s.limits, "prompt")
-    sampling = to_sampling(body, num_prompt_tokens=len(prompt_ids), limits=s.limits,
-                           num_logprobs=body.logprobs)
-    job = _job(body, s, False, prompt_ids, sampling)
+    prompts = _prompts(body.prompt, s)
+    if len(prompts) > MAX_PROMPTS:
+        raise InvalidRequest(f"at most {MAX_PROMPTS} prompts a request, got {len(prompts)}",
+                             param="prompt")
+    named = len(prompts) > 1  # a batch's errors name the prompt: prompt[2]
+    prompts = [check_prompt(ids, s.limits, f"prompt[{i}]" if named else "prompt")
+               for i, ids in enumerate(prompts)]
+    samplings = []
+    for prompt_ids in prompts:  # each its own default max_tokens: the room its prompt leaves
+        sampling = to_sampling(body, num_prompt_tokens=len(prompt_ids), limits=s.limits,
+                               num_logprobs=body.logprobs)
+        samplings += per_choice(sampling, body.n)
+    job = _job(body, s, False, prompts, samplings)
     return await _run(job, body.stream, request, s)
 
 
@@ -91,29 +101,26 @@ def _part_text(part: ContentPart, param: str) -> str:
     return part.text
 
 
-def _prompt_ids(prompt: str | list[str] | list[int] | list[list[int]], s: Served) -> list[int]:
-    """One prompt: a string, a list of one string, token ids, or a list of one id list."""
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]], s: Served) -> list[list[int]]:
+    """A string, token ids, or a batch of either; each prompt as token ids."""
     if isinstance(prompt, str):
-        return s.tokenizer.encode(prompt)
+        return [s.tokenizer.encode(prompt)]
     if not prompt or isinstance(prompt[0], int):
-        return list(prompt)  # empty: refused by check_prompt
-    if len(prompt) != 1:
-        raise InvalidRequest("send one prompt per request (batched prompts are not supported)",
-                             param="prompt")
-    return _prompt_ids(prompt[0], s)
+        return [list(prompt)]  # empty: refused by check_prompt
+    return [s.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
 
-def _job(body: OpenAIRequest, s: Served, is_chat: bool, prompt_ids: list[int],
-         sampling: Sampling) -> Job:
+def _job(body: OpenAIRequest, s: Served, is_chat: bool, prompts: list[list[int]],
+         samplings: list[Sampling]) -> Job:
     prefix = "chatcmpl" if is_chat else "cmpl"
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     return Job(is_chat=is_chat, response_id=f"{prefix}-{uuid.uuid4().hex}",
-               created=int(time.time()), model=s.model_name, prompt_ids=prompt_ids,
-               samplings=per_choice(sampling, body.n), include_usage=include_usage)
+               created=int(time.time()), model=s.model_name, prompts=prompts,
+               samplings=samplings, include_usage=include_usage)
 
 
 async def _run(job: Job, stream: bool, request: Request, s: Served):
-    events = choice_events(s.frontend, job.prompt_ids, job.samplings, job.response_id,
+    events = choice_events(s.frontend, job.runs, job.response_id,
                            s.config.request_timeout_s, s.delta_interval(stream))
     if stream:
         return EventStream(stream_chunks(job, s.tokenizer, await started(events)))

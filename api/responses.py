@@ -7,22 +7,29 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from api.streaming import Choice, Event
+from api.streaming import Choice, Event, Run
 from pipeline.messages import Delta, Sampling, TokenLogprob
 from pipeline.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
 class Job:
-    """One OpenAI request, ready to run: n samplings over one prompt."""
+    """One OpenAI request, ready to run: n samplings over each of its prompts (a chat
+    has one; a completion may send several). Choice i runs prompt i // n, as OpenAI
+    numbers a batch's choices."""
 
     is_chat: bool
     response_id: str
     created: int
     model: str
-    prompt_ids: list[int]
-    samplings: list[Sampling]
+    prompts: list[list[int]]
+    samplings: list[Sampling]  # one a choice: n for each prompt, in its order
     include_usage: bool = False
+
+    @property
+    def runs(self) -> list[Run]:
+        n = len(self.samplings) // len(self.prompts)
+        return [(self.prompts[i // n], sampling) for i, sampling in enumerate(self.samplings)]
 
     @property
     def wants_logprobs(self) -> bool:
@@ -36,7 +43,8 @@ class Job:
 
     def usage(self, choices: list[Choice]) -> dict:
         completion_tokens = sum(len(choice.token_ids) for choice in choices)
-        prompt_tokens = len(self.prompt_ids)  # counted once, however many choices share it
+        # each prompt counted once, however many choices share it
+        prompt_tokens = sum(len(prompt_ids) for prompt_ids in self.prompts)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 

@@ -12,6 +12,7 @@ from pipeline.messages import Sampling
 DEFAULT_MAX_TOKENS = 1024
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+MAX_PROMPTS = 64  # a completion's batch; each runs its n choices
 _INT64 = 2**63
 
 

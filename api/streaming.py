@@ -19,6 +19,7 @@ from pipeline.errors import error_from_code
 from pipeline.messages import Delta, Sampling, TokenLogprob
 
 Event = tuple[int, Delta]  # (choice index, its next delta)
+Run = tuple[list[int], Sampling]  # one choice: its prompt's ids and its sampling
 DONE = b"data: [DONE]\n\n"
 
 
@@ -46,24 +47,23 @@ def per_choice(sampling: Sampling, n: int) -> list[Sampling]:
 
 
 async def choice_events(
-    frontend: Frontend, prompt_ids: list[int], samplings: list[Sampling], request_id: str,
-    timeout_s: float, stream_interval: int,
+    frontend: Frontend, runs: list[Run], request_id: str, timeout_s: float,
+    stream_interval: int,
 ) -> AsyncIterator[Event]:
     """Every choice's deltas as they come (`stream_interval`: Frontend.generate's);
     each choice's own deltas stay in order.
     The first failure of any choice is raised and the other choices are cancelled.
     One choice (n = 1, nearly every request) is read in the caller's task: no
     task or queue between the frontend and the response, a hop less a token."""
-    if len(samplings) == 1:
-        deltas = frontend.generate(prompt_ids, samplings[0], f"{request_id}-0", timeout_s,
-                                   stream_interval)
+    if len(runs) == 1:
+        deltas = frontend.generate(*runs[0], f"{request_id}-0", timeout_s, stream_interval)
         async with aclosing(deltas):
             async for delta in deltas:
                 yield 0, delta
         return
     queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
 
-    async def run(index: int, sampling: Sampling) -> None:
+    async def run(index: int, prompt_ids: list[int], sampling: Sampling) -> None:
         try:
             async for delta in frontend.generate(prompt_ids, sampling, f"{request_id}-{index}",
                                                  timeout_s, stream_interval):
@@ -72,7 +72,7 @@ async def choice_events(
             queue.put_nowait((index, error))
         queue.put_nowait((index, None))
 
-    tasks = [asyncio.create_task(run(i, s)) for i, s in enumerate(samplings)]
+    tasks = [asyncio.create_task(run(i, *r)) for i, r in enumerate(runs)]
     try:
         num_running = len(tasks)
         while num_running:

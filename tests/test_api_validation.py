@@ -155,11 +155,34 @@ async def test_prompt_plus_max_tokens_over_the_context_is_context_length_exceede
     (COMPLETIONS, {"prompt": ""}, "prompt"),
     (COMPLETIONS, {"prompt": []}, "prompt"),
     (COMPLETIONS, {"prompt": [[]]}, "prompt"),
-    (COMPLETIONS, {"prompt": ["one", "two"]}, "prompt"),
     (COMPLETIONS, {"prompt": [5, 10**9]}, "prompt"),
+    (COMPLETIONS, {"prompt": ["one", ""]}, "prompt[1]"),
+    (COMPLETIONS, {"prompt": [[5], [6, 10**9]]}, "prompt[1]"),
+    (COMPLETIONS, {"prompt": ["one"] * 65}, "prompt"),
 ])
-async def test_empty_batched_or_unknown_token_prompts_are_400s(client, path, body, param):
+async def test_empty_unknown_token_or_too_many_prompts_are_400s(client, path, body, param):
     assert_openai_error(await client.post(path, json=body), 400, "invalid_request", param)
+
+
+async def test_a_batched_prompt_over_the_context_names_its_place(client):
+    response = await client.post(COMPLETIONS, json={"prompt": [[1] * 10, [1] * CONTEXT]})
+    assert_openai_error(response, 400, "context_length_exceeded", "prompt[1]")
+
+
+@pytest.mark.parametrize(("given", "kept"), [
+    ("gw-7f3a/2026:12", True), ("x" * 128, True),
+    ("x" * 129, False), ("has space", False), ("", False),
+])
+async def test_every_response_names_its_request(client, given, kept):
+    """x-request-id: a gateway's own id comes back as it was sent, on errors too;
+    one too long or with a space or control character is replaced by a fresh id."""
+    headers = {"x-request-id": given} if given else {}
+    for response in (await client.get("/v1/models", headers=headers),
+                     await client.post(CHAT, json={"messages": []}, headers=headers)):
+        answer = response.headers["x-request-id"]
+        assert answer == given if kept else len(answer) == 32 and answer != given
+    fresh = [(await client.get("/health")).headers["x-request-id"] for _ in range(2)]
+    assert fresh[0] != fresh[1]
 
 
 @pytest.mark.parametrize(("path", "extra", "param"), [

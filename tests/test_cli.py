@@ -93,14 +93,21 @@ def test_json_logs_are_one_object_a_line_uvicorn_s_too(tier):
 
 def test_an_access_log_records_each_request(tier):
     """--access-log with --log-format json: uvicorn's record of each request,
-    method, path and status in its message, as a JSON line in the api's log."""
+    method, path and status in its message and its request id beside them, as a
+    JSON line in the api's log."""
     with tier.extra_api(**{"access-log": True, "log-format": "json"}) as (url, proc):
         body = {"prompt": "Hello", "max_tokens": 2}
-        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
-        assert httpx.get(f"{url}/v1/models/nope", timeout=10).status_code == 404
+        completed = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert completed.status_code == 200
+        missing = httpx.get(f"{url}/v1/models/nope", headers={"x-request-id": "gw-42"},
+                            timeout=10)
+        assert missing.status_code == 404
     records = [json.loads(line) for p in tier.log_dir.glob("api-*.log")
                for line in p.read_text().splitlines() if line.startswith("{")]
-    access = [r["message"] for r in records
-              if r["logger"] == "uvicorn.access" and r["pid"] == proc.pid]
-    assert any('"POST /v1/completions HTTP/1.1" 200' in m for m in access), access
-    assert any('"GET /v1/models/nope HTTP/1.1" 404' in m for m in access), access
+    access = {r["message"].split('"')[1]: r for r in records
+              if r["logger"] == "uvicorn.access" and r["pid"] == proc.pid}
+    posted, got = access["POST /v1/completions HTTP/1.1"], access["GET /v1/models/nope HTTP/1.1"]
+    assert posted["message"].endswith(" 200") and got["message"].endswith(" 404"), access
+    # each record names its request, as its response's x-request-id did
+    assert posted["request_id"] == completed.headers["x-request-id"]
+    assert got["request_id"] == "gw-42"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import openai
 import pytest
 
+from pipeline.tokenizer import Tokenizer
+
 
 def test_openai_client_streams_and_completes_identically(tier):
     client = openai.OpenAI(base_url=f"{tier.base_url}/v1", api_key="unused", timeout=120)
@@ -22,6 +24,29 @@ def test_openai_client_streams_and_completes_identically(tier):
     legacy = client.completions.create(model=model, prompt="The capital of France is",
                                        max_tokens=5, temperature=0)
     assert legacy.choices[0].text and legacy.usage.completion_tokens <= 5
+
+
+def test_a_batch_of_prompts_is_answered_choice_by_choice_in_openai_order(tier, model_files):
+    """A completion's list of prompts (text or token ids) with n=2: choice i runs prompt
+    i // n, each as it runs alone, streamed or not; usage counts each prompt once."""
+    client = openai.OpenAI(base_url=f"{tier.base_url}/v1", api_key="unused", timeout=120)
+    prompts = ["The capital of France is", "1, 2, 3, 4,", "Roses are red,"]
+    model = client.models.list().data[0].id
+    alone = [client.completions.create(model=model, prompt=p, max_tokens=6, temperature=0)
+             for p in prompts]
+    batch = client.completions.create(model=model, prompt=prompts, n=2, max_tokens=6,
+                                      temperature=0)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone for _ in "ab"]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    token_ids = [Tokenizer(model_files.path).encode(p) for p in prompts]
+    texts = ["", "", ""]
+    for chunk in client.completions.create(model=model, prompt=token_ids, max_tokens=6,
+                                           temperature=0, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [a.choices[0].text for a in alone]
 
 
 def test_openai_client_sees_errors_as_openai_errors(tier):
