@@ -29,6 +29,7 @@ class SamplingFields(BaseModel):
     presence_penalty: float = 0.0
     skip_special_tokens: bool = True
     n: int = 1
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> added to its logit
 
 
 class StreamOptions(BaseModel):
@@ -44,13 +45,10 @@ class OpenAIRequest(SamplingFields):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
     best_of: int | None = None
 
     def unsupported(self) -> str | None:
         """The first field set to something this server cannot do, if any."""
-        if self.logit_bias:
-            return "logit_bias"
         if self.best_of not in (None, self.n):
             return "best_of"
         return None

@@ -13,6 +13,7 @@ DEFAULT_MAX_TOKENS = 1024
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
 MAX_PROMPTS = 64  # a completion's batch; each runs its n choices
+MAX_LOGIT_BIAS = 300  # tokens a request may bias, as OpenAI allows
 _INT64 = 2**63
 
 
@@ -62,6 +63,7 @@ def to_sampling(
         repetition_penalty=fields.repetition_penalty,
         frequency_penalty=fields.frequency_penalty, presence_penalty=fields.presence_penalty,
         logprobs=num_logprobs, skip_special_tokens=fields.skip_special_tokens,
+        logit_bias=_logit_bias(fields.logit_bias or {}, limits),
     )
 
 
@@ -102,6 +104,21 @@ def _stop_strings(stop: str | list[str] | None) -> list[str]:
     if not all(strings):
         raise InvalidRequest("stop strings must be non-empty", param="stop")
     return strings
+
+
+def _logit_bias(bias: dict[str, float], limits: Limits) -> dict[int, float]:
+    """OpenAI's shape: token ids as strings, each bias in [-100, 100] (-100 bans the
+    token, 100 all but forces it)."""
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens",
+                             param="logit_bias")
+    if bad := next((key for key in bias if not key.isdigit()), None):
+        raise InvalidRequest(f"logit_bias keys are token ids, got {bad!r}", param="logit_bias")
+    ids = {int(key): value for key, value in bias.items()}
+    _token_ids("logit_bias", list(ids), limits)
+    for value in ids.values():
+        _check_range("logit_bias", value, -100.0, 100.0)
+    return ids
 
 
 def _token_ids(param: str, ids: list[int], limits: Limits) -> list[int]:

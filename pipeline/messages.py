@@ -28,6 +28,7 @@ class Sampling(Struct, frozen=True, kw_only=True, omit_defaults=True):
     presence_penalty: float = 0.0
     logprobs: int | None = None  # None: none; k: chosen token's logprob and k alternatives
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = {}  # added to those tokens' logits before any other step
 
 
 # ---- {prefix}:requests  (api -> scheduler group) ----

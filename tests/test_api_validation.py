@@ -164,6 +164,15 @@ async def test_empty_unknown_token_or_too_many_prompts_are_400s(client, path, bo
     assert_openai_error(await client.post(path, json=body), 400, "invalid_request", param)
 
 
+@pytest.mark.parametrize("bias", [
+    {"a": 1.0}, {"-3": 1.0}, {"49152": 1.0}, {"42": 100.5}, {"42": -101},
+    {str(i): 1.0 for i in range(301)},
+])
+async def test_a_logit_bias_off_the_vocabulary_or_range_is_a_400(client, bias):
+    body = {"messages": HELLO, "logit_bias": bias}
+    assert_openai_error(await client.post(CHAT, json=body), 400, "invalid_request", "logit_bias")
+
+
 async def test_a_batched_prompt_over_the_context_names_its_place(client):
     response = await client.post(COMPLETIONS, json={"prompt": [[1] * 10, [1] * CONTEXT]})
     assert_openai_error(response, 400, "context_length_exceeded", "prompt[1]")
@@ -188,7 +197,6 @@ async def test_every_response_names_its_request(client, given, kept):
 @pytest.mark.parametrize(("path", "extra", "param"), [
     (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
-    (CHAT, {"logit_bias": {"42": 10.0}}, "logit_bias"),
     (COMPLETIONS, {"echo": True}, "echo"),
     (COMPLETIONS, {"best_of": 3}, "best_of"),
 ])

@@ -49,6 +49,24 @@ def test_a_batch_of_prompts_is_answered_choice_by_choice_in_openai_order(tier, m
     assert texts == [a.choices[0].text for a in alone]
 
 
+def test_logit_bias_bans_a_token_and_forces_another(tier, model_files):
+    """Through the OpenAI client, greedy: -100 on the answer's token takes it out of
+    the text, +100 on another makes it every token (the fused argmax path is left)."""
+    client = openai.OpenAI(base_url=f"{tier.base_url}/v1", api_key="unused", timeout=120)
+    tokenizer = Tokenizer(model_files.path)
+    [paris] = tokenizer.encode(" Paris")
+    banana = tokenizer.encode(" banana")[0]
+    prompt = "The capital of France is"
+
+    def complete(**extra) -> str:
+        return client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
+                                         max_tokens=3, temperature=0, **extra).choices[0].text
+
+    assert complete().startswith(" Paris")
+    assert not complete(logit_bias={str(paris): -100}).startswith(" Paris")
+    assert complete(logit_bias={str(banana): 100}) == tokenizer.decode([banana] * 3)
+
+
 def test_openai_client_sees_errors_as_openai_errors(tier):
     client = openai.OpenAI(base_url=f"{tier.base_url}/v1", api_key="unused", timeout=60)
     try:

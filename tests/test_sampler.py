@@ -1,5 +1,5 @@
 """Batched sampling on synthetic logits: greedy, filters, penalties,
-min_tokens, seeded draws that depend only on (seed, position), logprobs."""
+min_tokens, seeded draws that depend only on (seed, position), logprobs, logit_bias."""
 
 from __future__ import annotations
 
@@ -99,6 +99,25 @@ def test_stop_ids_are_masked_until_min_tokens_are_out():
     assert sampler(logits, [seq(greedy, [4, 4], stop_ids=frozenset({2}))]).token_ids == [2]
 
 
+def test_logit_bias_bans_and_favours_tokens_of_its_own_row_only():
+    logits = logits_of([0, 0, 9, 1, 0, 0, 0, 0], [0, 0, 9, 1, 0, 0, 0, 0])
+    banned = Sampling(temperature=0.0, logit_bias={2: -100.0})
+    favoured = Sampling(temperature=0.0, logit_bias={5: 9.5, 6: 3.0})
+    plain = Sampling(temperature=0.0)
+    assert Sampler()(logits, [seq(banned), seq(plain)]).token_ids == [3, 2]
+    assert Sampler()(logits, [seq(plain), seq(favoured)]).token_ids == [2, 5]
+    # a sampled row draws from the biased distribution: -100 leaves a token no chance
+    draws = Sampler()(logits[:1].expand(64, -1).clone(),
+                      [seq(Sampling(logit_bias={2: -100.0}), seed=i) for i in range(64)])
+    assert 2 not in draws.token_ids
+    # logprobs stay the model's own
+    [chosen] = Sampler()(logits[:1], [seq(Sampling(temperature=0.0, logprobs=1,
+                                                    logit_bias={2: -100.0}))]).logprobs[0]
+    expected = torch.log_softmax(logits[0], -1)
+    assert chosen.token_id == 3 and math.isclose(chosen.logprob, expected[3].item(), rel_tol=1e-5)
+    assert [t.token_id for t in chosen.top] == [2]
+
+
 def test_logprobs_report_the_chosen_token_and_the_top_alternatives():
     logits = logits_of([0, 2, 1, 0, 0, 0, 0, 0])
     [chosen] = Sampler()(logits, [seq(Sampling(temperature=0.0, logprobs=2))]).logprobs[0]
@@ -114,6 +133,7 @@ def test_plain_greedy_says_when_the_raw_argmax_is_every_pick():
     assert not plain_greedy([seq(greedy_), seq(Sampling(temperature=0.7))])
     assert not plain_greedy([seq(Sampling(temperature=0.0, repetition_penalty=1.2))])
     assert not plain_greedy([seq(Sampling(temperature=0.0, logprobs=0))])
+    assert not plain_greedy([seq(Sampling(temperature=0.0, logit_bias={5: 1.0}))])
     # min_tokens not reached: a stop id is masked out of the logits first
     held = Sampling(temperature=0.0, min_tokens=3)
     assert not plain_greedy([seq(held, stop_ids=frozenset({3}))])

@@ -5,9 +5,11 @@ workers go on serving."""
 from __future__ import annotations
 
 import time
+import uuid
 
 import httpx
 import msgspec
+import pytest
 import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -86,10 +88,18 @@ def _stand_in_frontend(tier, name: str) -> tuple[redis.Redis, Keys, str]:
     return client, keys, reply_to
 
 
-def test_an_impossible_request_written_straight_to_redis_fails_back_to_its_sender(tier):
-    client, keys, reply_to = _stand_in_frontend(tier, "test-sender")
-    bad = Submit(request_id="bad-1", reply_to=reply_to, prompt_ids=[10**9, -5],
-                 sampling=Sampling(max_tokens=4))
+@pytest.mark.parametrize(("prompt_ids", "sampling"), [
+    ([10**9, -5], Sampling(max_tokens=4)),
+    ([1, 2], Sampling(max_tokens=4, min_tokens=2, stop_token_ids=[10**9])),
+    ([1, 2], Sampling(max_tokens=4, logit_bias={10**9: 5.0})),
+    ([1, 2], Sampling(max_tokens=4, logit_bias={7: float("nan")})),
+], ids=["prompt", "stop_token_ids", "logit_bias", "nan_bias"])
+def test_an_impossible_request_written_straight_to_redis_fails_back_to_its_sender(
+        tier, prompt_ids, sampling):
+    """Token ids a step would index the logits with, checked before it runs."""
+    name = f"test-sender-{uuid.uuid4().hex[:8]}"  # a reply stream and request id a case
+    client, keys, reply_to = _stand_in_frontend(tier, name)
+    bad = Submit(request_id=name, reply_to=reply_to, prompt_ids=prompt_ids, sampling=sampling)
     client.xadd(keys.requests, {FIELD: encode(bad)})
 
     def failure():
@@ -101,7 +111,7 @@ def test_an_impossible_request_written_straight_to_redis_fails_back_to_its_sende
         return None
 
     failed = _wait(failure)
-    assert failed.request_id == "bad-1" and failed.code == "invalid_request"
+    assert failed.request_id == name and failed.code == "invalid_request"
     body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
     assert httpx.post(f"{tier.base_url}/v1/completions", json=body, timeout=60).status_code == 200
 

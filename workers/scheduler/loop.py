@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -309,9 +310,13 @@ class Scheduler:
 
     def check(self, submit: Submit) -> None:
         """Entries can be written by anyone with access to Redis: trust nothing."""
-        ids = submit.prompt_ids + submit.output_ids
+        sampling = submit.sampling
+        ids = [*submit.prompt_ids, *submit.output_ids, *sampling.stop_token_ids,
+               *sampling.logit_bias]
         if not submit.prompt_ids or not all(0 <= i < self.tokenizer.vocab_size for i in ids):
             raise InvalidRequest(f"token ids must be in [0, {self.tokenizer.vocab_size})")
+        if not all(math.isfinite(bias) for bias in sampling.logit_bias.values()):
+            raise InvalidRequest("logit_bias values must be finite")
         if submit.sampling.max_tokens < 1:
             raise InvalidRequest("max_tokens must be at least 1")
         if submit.stream_interval < 0:

@@ -1,4 +1,4 @@
-# Batched sampling on the logits of one step: penalties, min_tokens, greedy
+# Batched sampling on the logits of one step: logit_bias, penalties, min_tokens, greedy
 # (temperature 0), top_k/top_p/min_p, and seeded draws whose noise is a pure
 # function of (seed, output position, token id) so a resumed request repeats.
 
@@ -43,8 +43,8 @@ class Sampled:
 class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
         """`logits` [B, V] fp32, one row per sequence; one host sync at the end."""
-        raw = logits
-        logits = self._mask_stops(logits, seqs)
+        raw = logits  # logprobs are the model's own, before bias, penalties and masks
+        logits = self._mask_stops(_add_bias(logits, seqs), seqs)
         if any(_has_penalty(s) for s in seqs):
             logits = apply_penalties(logits, seqs)
         if all(s.sampling.temperature == 0 for s in seqs):
@@ -84,10 +84,10 @@ class Sampler:
 
 
 def plain_greedy(seqs: list[Sequence]) -> bool:
-    """Whether every row's pick is the raw logits' argmax: greedy, no penalty,
-    no stop token held back for min_tokens, no logprobs."""
+    """Whether every row's pick is the raw logits' argmax: greedy, no penalty, no
+    logit_bias, no stop token held back for min_tokens, no logprobs."""
     return all(s.sampling.temperature == 0 and not _has_penalty(s)
-               and s.sampling.logprobs is None
+               and s.sampling.logprobs is None and not s.sampling.logit_bias
                and not _holds_stops(s) for s in seqs)
 
 
@@ -103,6 +103,19 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     out = torch.empty(logits.shape[0], dtype=torch.long)
     lib.argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
     return out
+
+
+def _add_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Each row's logit_bias added to its tokens' logits (a copy, where any row has one)."""
+    rows = [(row, s.sampling.logit_bias) for row, s in enumerate(seqs) if s.sampling.logit_bias]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for row, bias in rows:
+        ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+        logits[row, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype,
+                                         device=logits.device)
+    return logits
 
 
 def _reaches_min_tokens(seq: Sequence) -> bool:
