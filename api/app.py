@@ -85,6 +85,9 @@ class RequestGuard:
         self.config = config
         self.metrics = metrics
         self.header = (b"x-pipeline-frontend", (config.frontend_id or "").encode())
+        # KEY,KEY...: any of them, so that a key is rotated without a moment refusing both
+        self.expected = [b"Bearer " + key.encode()
+                         for key in (config.api_key or "").split(",") if key]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -126,11 +129,11 @@ class RequestGuard:
         return tagged
 
     def _check_key(self, scope: Scope) -> None:
-        if self.config.api_key is None or scope["path"] in OPEN_PATHS:
+        if not self.expected or scope["path"] in OPEN_PATHS:
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
-        expected = b"Bearer " + self.config.api_key.encode()
-        if not hmac.compare_digest(given, expected):
+        # every key compared, so the time taken does not say which one came near
+        if not sum(hmac.compare_digest(given, expected) for expected in self.expected):
             raise Unauthorized("a valid API key is required: Authorization: Bearer <key>")
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:

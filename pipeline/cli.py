@@ -40,7 +40,8 @@ Prefix = Annotated[str, _opt("PREFIX", "Key prefix shared by every worker of one
 Model = Annotated[str, _opt("MODEL", f"A local HF model directory, or {DEFAULT_MODEL}.")]
 Host = Annotated[str, _opt("HOST", "Address the api listens on.")]
 Port = Annotated[int, _opt("PORT", "Port the api listens on.")]
-ApiKey = Annotated[str | None, _opt("API_KEY", "Require 'Authorization: Bearer KEY'.")]
+ApiKey = Annotated[str | None, _opt(
+    "API_KEY", "Require 'Authorization: Bearer KEY'; KEY,KEY,...: any of them (a rotation).")]
 ServedModelName = Annotated[str | None, _opt(
     "SERVED_MODEL_NAME", "The model's name in the API (/v1/models, responses, requests' "
     "model field) instead of --model's; NAME,ALIAS,...: the first is shown, any is taken.")]

@@ -345,6 +345,15 @@ async def test_an_api_key_is_required_everywhere_but_health(redis_url, prefix, m
         assert_openai_error(response, 400, "invalid_request", "messages")
 
 
+async def test_any_of_several_api_keys_is_accepted(redis_url, prefix, model_files):
+    """KEY,KEY: during a rotation both the old key and the new one work."""
+    async with serving(redis_url, prefix, model_files, api_key="old-key,new-key") as client:
+        for key, status in (("old-key", 200), ("new-key", 200), ("old-key,new-key", 401),
+                            ("other", 401), ("", 401)):
+            response = await client.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert response.status_code == status, key
+
+
 def test_config_survives_a_json_round_trip():
     config = Config(model="/models/x", redis=RedisConfig(prefix="p", heartbeat_s=0.5),
                     api=ApiConfig(api_key="k", max_n=3, frontend_id=None))
