@@ -14,7 +14,7 @@ from dataclasses import replace
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api import native_routes, openai_routes
+from api import native_routes, openai_routes, tokenize_routes
 from api.errors import error_response, install_handlers
 from api.frontend import Frontend
 from api.metrics import Metrics
@@ -57,6 +57,7 @@ def create_app(config: Config, model: ModelFiles | None = None) -> FastAPI:
     install_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(native_routes.router)
+    app.include_router(tokenize_routes.router)
     app.add_middleware(RequestGuard, config=config.api, metrics=metrics)
     return app
 

@@ -16,7 +16,7 @@ from prometheus_client.process_collector import ProcessCollector
 
 # a route outside these is counted as "other": a scan of random paths adds no series
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/generate",
-                    "/health", "/metrics"})
+                    "/tokenize", "/detokenize", "/health", "/metrics"})
 MODEL = "/v1/models/{model}"  # one label for every id asked for
 SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TOKEN_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0)

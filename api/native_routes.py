@@ -1,4 +1,4 @@
-# The native routes: GET /health (is Redis reachable) and SGLang-style POST /generate.
+# The native routes: GET /health (is Redis reachable), GET /metrics and SGLang-style POST /generate.
 # /generate streams cumulative text and ids in every event, as SGLang does by default.
 
 from __future__ import annotations

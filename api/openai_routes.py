@@ -46,9 +46,7 @@ async def chat_completions(body: ChatRequest, request: Request, s: ServedDep):
         raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
     if not body.messages:
         raise InvalidRequest("messages must not be empty", param="messages")
-    text = s.tokenizer.apply_chat_template([_template_message(m, i)
-                                            for i, m in enumerate(body.messages)])
-    prompt_ids = check_prompt(s.tokenizer.encode(text), s.limits, "messages")
+    prompt_ids = check_prompt(chat_prompt_ids(body.messages, s), s.limits, "messages")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     sampling = to_sampling(body, num_prompt_tokens=len(prompt_ids), limits=s.limits,
                            num_logprobs=num_logprobs, logprobs_param="top_logprobs")
@@ -80,6 +78,14 @@ def _check_common(body: OpenAIRequest, s: Served) -> None:
     field = body.unsupported()
     if field is not None:
         raise InvalidRequest(f"{field} is not supported by this server", param=field)
+
+
+def chat_prompt_ids(messages: list[ChatMessage], s: Served,
+                    add_generation_prompt: bool = True) -> list[int]:
+    """The chat template's text for these messages, tokenized."""
+    text = s.tokenizer.apply_chat_template(
+        [_template_message(m, i) for i, m in enumerate(messages)], add_generation_prompt)
+    return s.tokenizer.encode(text)
 
 
 def _template_message(message: ChatMessage, index: int) -> dict:

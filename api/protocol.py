@@ -138,3 +138,27 @@ class GenerateRequest(BaseModel):
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of text or input_ids")
         return self
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True  # messages: end with the assistant's turn opened
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]

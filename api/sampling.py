@@ -58,7 +58,7 @@ def to_sampling(
         max_tokens=max_tokens, temperature=fields.temperature, top_p=fields.top_p,
         top_k=_top_k(fields.top_k), min_p=fields.min_p, seed=fields.seed,
         stop=_stop_strings(fields.stop),
-        stop_token_ids=_token_ids("stop_token_ids", fields.stop_token_ids or [], limits),
+        stop_token_ids=check_token_ids("stop_token_ids", fields.stop_token_ids or [], limits),
         ignore_eos=fields.ignore_eos, min_tokens=fields.min_tokens,
         repetition_penalty=fields.repetition_penalty,
         frequency_penalty=fields.frequency_penalty, presence_penalty=fields.presence_penalty,
@@ -71,7 +71,7 @@ def check_prompt(prompt_ids: list[int], limits: Limits, param: str) -> list[int]
     """A prompt that a scheduler can run: non-empty, known ids, room for one new token."""
     if not prompt_ids:
         raise InvalidRequest("the prompt is empty", param=param)
-    _token_ids(param, prompt_ids, limits)
+    check_token_ids(param, prompt_ids, limits)
     if len(prompt_ids) >= limits.context_len:
         raise ContextLengthExceeded(
             f"this model's context is {limits.context_len} tokens; the prompt has "
@@ -115,13 +115,14 @@ def _logit_bias(bias: dict[str, float], limits: Limits) -> dict[int, float]:
     if bad := next((key for key in bias if not key.isdigit()), None):
         raise InvalidRequest(f"logit_bias keys are token ids, got {bad!r}", param="logit_bias")
     ids = {int(key): value for key, value in bias.items()}
-    _token_ids("logit_bias", list(ids), limits)
+    check_token_ids("logit_bias", list(ids), limits)
     for value in ids.values():
         _check_range("logit_bias", value, -100.0, 100.0)
     return ids
 
 
-def _token_ids(param: str, ids: list[int], limits: Limits) -> list[int]:
+def check_token_ids(param: str, ids: list[int], limits: Limits) -> list[int]:
+    """Every id in the model's vocabulary, or a 400 naming the first that is not."""
     bad = next((i for i in ids if not 0 <= i < limits.vocab_size), None)
     if bad is not None:
         raise InvalidRequest(

@@ -20,6 +20,7 @@ from pipeline.embedded_redis import EmbeddedRedis
 from pipeline.errors import ConfigError
 from pipeline.messages import FIELD, control_decoder
 from pipeline.streams import Keys
+from pipeline.tokenizer import Tokenizer
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -378,3 +379,33 @@ def test_the_api_process_never_imports_torch():
             "api.app.create_app(Config()); assert 'torch' not in sys.modules, 'torch loaded'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+async def test_tokenize_and_detokenize_use_the_served_tokenizer(client, model_files):
+    tokenizer = Tokenizer(model_files.path)
+    text = "The capital of France is Paris."
+    response = await client.post("/tokenize", json={"prompt": text})
+    assert response.status_code == 200, response.text
+    ids = tokenizer.encode(text)
+    assert response.json() == {"count": len(ids), "max_model_len": CONTEXT, "tokens": ids}
+    back = await client.post("/detokenize", json={"tokens": ids, "model": "SmolLM2-135M-Instruct"})
+    assert back.json() == {"prompt": text}
+    # messages: the chat template's text, its assistant turn opened unless asked not to
+    opened = (await client.post("/tokenize", json={"messages": HELLO})).json()
+    closed = (await client.post("/tokenize", json={"messages": HELLO,
+                                                   "add_generation_prompt": False})).json()
+    assert opened["tokens"][:closed["count"]] == closed["tokens"]
+    assert tokenizer.decode(opened["tokens"][closed["count"]:]).strip() == "assistant"
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), [
+    ("/tokenize", {"prompt": "a", "messages": HELLO}, 400, None),
+    ("/tokenize", {}, 400, None),
+    ("/tokenize", {"prompt": "a", "model": "other"}, 404, "model"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content[0].type"),
+    ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
+])
+async def test_bad_tokenize_requests_are_4xx(client, path, body, status, param):
+    assert_openai_error(await client.post(path, json=body), status, param=param)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -17,6 +18,9 @@ def test_openai_client_streams_and_completes_identically(tier):
                                            max_tokens=20)
     text = whole.choices[0].message.content
     assert "Paris" in text
+    # /tokenize counts a chat's prompt as the tier did
+    counted = httpx.post(f"{tier.base_url}/tokenize", json={"messages": messages}, timeout=30)
+    assert counted.json()["count"] == whole.usage.prompt_tokens
     stream = client.chat.completions.create(model=model, messages=messages, temperature=0,
                                             max_tokens=20, stream=True)
     assert "".join(chunk.choices[0].delta.content or "" for chunk in stream
