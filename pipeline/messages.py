@@ -29,6 +29,9 @@ class Sampling(Struct, frozen=True, kw_only=True, omit_defaults=True):
     logprobs: int | None = None  # None: none; k: chosen token's logprob and k alternatives
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = {}  # added to those tokens' logits before any other step
+    # k: each prompt token's logprob (from the second on) and k alternatives, sent
+    # with the first output token; the prompt is then computed whole (no prefix reuse)
+    prompt_logprobs: int | None = None
 
 
 # ---- {prefix}:requests  (api -> scheduler group) ----
@@ -101,6 +104,7 @@ class StepOutput(Struct, frozen=True, array_like=True):
     logprobs: list[TokenLogprob] | None = None
     attempt: int = 0
     skip_special_tokens: bool = True
+    prompt_logprobs: list[TokenLogprob] | None = None  # Sampling.prompt_logprobs', once
 
 
 class Failed(Struct, frozen=True, tag="failed"):
@@ -139,6 +143,7 @@ class Delta(Struct, frozen=True, array_like=True):
     finish: str | None = None
     logprobs: list[TokenLogprob] | None = None
     attempt: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None  # with a run's first delta, if asked
 
 
 class ReplyBatch(Struct, frozen=True, tag="replies"):

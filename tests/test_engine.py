@@ -40,9 +40,14 @@ def prompt_ids(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(model_files, prompt_ids) -> list[list[int]]:
+def hf_model(model_files):
+    return AutoModelForCausalLM.from_pretrained(model_files.path, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, prompt_ids) -> list[list[int]]:
     """transformers' greedy continuation of each prompt, alone."""
-    model = AutoModelForCausalLM.from_pretrained(model_files.path, dtype=torch.float32)
+    model = hf_model
     outputs = []
     for ids in prompt_ids:
         out = model.generate(torch.tensor([ids]), max_new_tokens=NUM_NEW, do_sample=False)
@@ -257,6 +262,36 @@ def test_logprobs_come_with_top_alternatives(engine, prompt_ids, reference):
         assert len(chosen.top) == 2 and chosen.top[0].token_id == chosen.token_id
         assert chosen.logprob == pytest.approx(chosen.top[0].logprob)
         assert chosen.top[0].logprob >= chosen.top[1].logprob
+
+
+@pytest.mark.parametrize("overrides", [{}, {"max_batch_tokens": 16}],
+                         ids=["whole", "chunked"])
+def test_prompt_logprobs_equal_transformers_and_come_once(
+        model_files, hf_model, prompt_ids, reference, overrides):
+    """Each prompt token's logprob under the tokens before it, sent with the first
+    output token, whole even where the prompt's blocks are cached already (they
+    are computed again) and where its prefill is cut into chunks."""
+    engine = make_engine(model_files, **overrides)
+    run_all(engine, greedy_requests(prompt_ids[:1]))  # prompt 0's blocks now cached
+    sampling = Sampling(max_tokens=NUM_NEW, temperature=0.0, prompt_logprobs=2)
+    prompts = prompt_ids[:3]
+    for i, ids in enumerate(prompts):
+        engine.add(EngineRequest(f"p{i}", ids, [], sampling))
+    outputs, got = {f"p{i}": [] for i in range(len(prompts))}, {}
+    while engine.has_work():
+        for result in engine.step():
+            outputs[result.request_id] += result.new_ids
+            if result.prompt_logprobs is not None:
+                assert result.request_id not in got and len(outputs[result.request_id]) == 1
+                got[result.request_id] = result.prompt_logprobs
+    assert [outputs[f"p{i}"] for i in range(len(prompts))] == reference[:3]
+    for i, ids in enumerate(prompts):
+        expected = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+        logprobs = got[f"p{i}"]
+        assert [lp.token_id for lp in logprobs] == ids[1:]
+        assert [lp.logprob for lp in logprobs] == pytest.approx(
+            expected.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).tolist(), abs=1e-3)
+        assert [[t.token_id for t in lp.top] for lp in logprobs] == expected.topk(2).indices.tolist()
 
 
 def test_greedy_picks_in_the_lm_heads_kernel_equal_the_samplers(model_files, prompt_ids):

@@ -73,8 +73,9 @@ class Batcher:
         awaiting: list[Sequence] = []  # their prefix is being computed: admitted after it
         while budget > 0 and self.waiting and len(self.running) < self.max_running_requests:
             seq = self.waiting[0]
-            found = self.allocator.cached_prefix(seq.token_ids)  # hashed once for all three
-            if self.allocator.awaits_prefix(seq.token_ids, found):
+            # hashed once for all three; none for a prompt whose logprobs are wanted
+            found = [] if seq.collects_prompt else self.allocator.cached_prefix(seq.token_ids)
+            if not seq.collects_prompt and self.allocator.awaits_prefix(seq.token_ids, found):
                 awaiting.append(self.waiting.popleft())
                 continue
             if not self.allocator.can_allocate(seq.token_ids, found):
@@ -125,12 +126,15 @@ class Batcher:
         self.running.remove(seq)
         self.allocator.free(seq.request_id)
         seq.num_computed = 0
+        if seq.collects_prompt:  # computed again from its start
+            seq.prompt_logprobs = []
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def _admit(self, seq: Sequence, found: list[int]) -> None:
-        seq.num_computed = self.allocator.allocate(seq.request_id, seq.token_ids, found)
+        seq.num_computed = self.allocator.allocate(seq.request_id, seq.token_ids, found,
+                                                   reuse=not seq.collects_prompt)
         self.num_prefix_hit_tokens += seq.num_computed
         seq.status = Status.RUNNING
         self.running.append(seq)

@@ -124,18 +124,21 @@ class BlockAllocator:
         return needed <= self.num_free_blocks - num_hits_free
 
     def allocate(self, request_id: str, token_ids: list[int],
-                 found: list[int] | None = None) -> int:
+                 found: list[int] | None = None, reuse: bool = True) -> int:
         """Give `request_id` blocks for all of `token_ids`; returns how many
         leading tokens already have KV in the cache (prefix reuse), or will have
-        once its copy is applied. `found`: cached_prefix(token_ids), if known."""
+        once its copy is applied. `found`: cached_prefix(token_ids), if known.
+        `reuse` False: every token is computed (its prompt's logprobs are wanted)."""
         assert request_id not in self.tables
         table = Table()
+        if not reuse:
+            found = []
         found = self.cached_prefix(token_ids) if found is None else found
         for block_id in found:
             self._take(block_id)
             table.block_ids.append(block_id)
             table.hashes.append(self.blocks[block_id].block_hash)
-        source, count = self.cached_start(token_ids, found)
+        source, count = self.cached_start(token_ids, found) if reuse else (-1, 0)
         while len(table.block_ids) < self.blocks_needed(len(token_ids)):
             table.block_ids.append(self._take_blank())
         if count:

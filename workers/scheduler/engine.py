@@ -29,8 +29,10 @@ from workers.scheduler.cuda_graphs import DecodeGraphs
 from workers.scheduler.layers import Driver
 from workers.scheduler.model import LlamaModel, read_spec
 from workers.scheduler.pace import Pace, StepRecord
-from workers.scheduler.sampler import Sampled, Sampler, plain_greedy
+from workers.scheduler.sampler import Sampled, Sampler, plain_greedy, prompt_logprobs_of
 from workers.scheduler.sequence import Sequence
+
+PROMPT_ROWS = 256  # prompt logprobs' logits made at a time
 
 
 @dataclass
@@ -47,6 +49,9 @@ class StepResult:
     new_ids: list[int]
     finish: str | None  # "stop" | "length" | None
     logprobs: list[TokenLogprob] | None
+    # with a run's first token, where Sampling.prompt_logprobs asked: the prompt's
+    # tokens from the second on, each under the logits before it
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -198,10 +203,12 @@ class Engine:
         stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos
                                                    else set(self.eos_token_ids))
         seed = random.getrandbits(63) if sampling.seed is None else sampling.seed % 2**63
+        # a continuation's client has them already
+        wants_prompt = sampling.prompt_logprobs is not None and not request.output_ids
         self.batcher.add(Sequence(
             request.request_id, list(request.prompt_ids) + list(request.output_ids),
             len(request.prompt_ids), sampling, seed, next(self.arrivals),
-            stop_ids=frozenset(stop_ids)))
+            stop_ids=frozenset(stop_ids), prompt_logprobs=[] if wants_prompt else None))
 
     def abort(self, request_id: str) -> bool:
         for result in self.done_on_arrival:
@@ -231,7 +238,16 @@ class Engine:
         seqs = [c.seq for c in plan.chunks if c.samples]
         if self.graphs is not None and self.graphs.takes(plan):
             return self.sampler(self.graphs.run(plan, tables), seqs)
-        head_input = self.head_input(plan, tables)
+        rows, prompt_rows = sampling_rows(plan), prompt_logprob_rows(plan)
+        if prompt_rows:  # rows ascending, as the model's gather takes them
+            wanted = sorted(rows + [row for row, _, _ in prompt_rows])
+            both = self.head_input(plan, tables, wanted)
+            index = {row: i for i, row in enumerate(wanted)}
+            self.keep_prompt_logprobs(both[[index[row] for row, _, _ in prompt_rows]],
+                                      prompt_rows)
+            head_input = both[[index[row] for row in rows]]
+        else:
+            head_input = self.head_input(plan, tables, rows)
         # greedy picks with nothing else asked of the logits: the lm_head's
         # kernel keeps each row's best as it goes, where it can (linear.Dense.greedy)
         if plain_greedy(seqs) and (picks := self.model.lm_head.greedy(head_input)) is not None:
@@ -240,18 +256,29 @@ class Engine:
 
     def forward(self, plan: StepPlan, tables: list[list[int]]) -> torch.Tensor:
         """The step run eagerly: logits of the chunks that sample."""
-        return self.model.lm_head.logits(self.head_input(plan, tables))
+        return self.model.lm_head.logits(self.head_input(plan, tables, sampling_rows(plan)))
 
-    def head_input(self, plan: StepPlan, tables: list[list[int]]) -> torch.Tensor:
-        """The step run eagerly up to the lm_head, for the chunks that sample."""
+    def head_input(self, plan: StepPlan, tables: list[list[int]], rows: list[int]) -> torch.Tensor:
+        """The step run eagerly up to the lm_head, for `rows` (ascending) of its tokens."""
         self.attention.prepare(plan, tables, self.device)
-        ends = itertools.accumulate(c.num_tokens for c in plan.chunks)
-        rows = [end - 1 for end, c in zip(ends, plan.chunks, strict=True) if c.samples]
         device = self.device
         return self.model.head_input(
             torch.tensor(plan.input_ids(), dtype=torch.long, device=device),
             torch.tensor(plan.positions(), dtype=torch.long, device=device),
             torch.tensor(rows, dtype=torch.long, device=device), self.attention)
+
+    def keep_prompt_logprobs(self, head_input: torch.Tensor,
+                             rows: list[tuple[int, Sequence, int]]) -> None:
+        """Each prompt row's logprob of the token after it, added to its sequence's;
+        the logits made PROMPT_ROWS rows at a time (a long prompt's are 200 KB a row)."""
+        for start in range(0, len(rows), PROMPT_ROWS):
+            part = rows[start:start + PROMPT_ROWS]
+            logits = self.model.lm_head.logits(head_input[start:start + len(part)])
+            targets = [seq.token_ids[position + 1] for _, seq, position in part]
+            counts = [seq.sampling.prompt_logprobs or 0 for _, seq, _ in part]
+            for (_, seq, _), logprob in zip(part, prompt_logprobs_of(logits, targets, counts),
+                                            strict=True):
+                seq.prompt_logprobs.append(logprob)
 
     def postprocess(self, plan: StepPlan, sampled: Sampled) -> list[StepResult]:
         results = []
@@ -267,7 +294,9 @@ class Engine:
             finish = seq.finish_reason(self.max_context)
             if finish is not None:
                 self.batcher.finish(seq)
-            results.append(StepResult(seq.request_id, [token_id], finish, logprobs))
+            prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None  # sent once
+            results.append(StepResult(seq.request_id, [token_id], finish, logprobs,
+                                      prompt_logprobs))
         return results
 
     def stats(self) -> EngineStats:
@@ -278,3 +307,22 @@ class Engine:
             num_prefix_hit_tokens=self.batcher.num_prefix_hit_tokens,
             kv_cache_bytes=self.cache.nbytes, kv_budget_bytes=self.config.kv_cache_mb * 2**20,
             **self.pace.summary(time.perf_counter()))
+
+
+def sampling_rows(plan: StepPlan) -> list[int]:
+    """The step's rows whose logits pick a token: each sampling chunk's last."""
+    ends = itertools.accumulate(c.num_tokens for c in plan.chunks)
+    return [end - 1 for end, c in zip(ends, plan.chunks, strict=True) if c.samples]
+
+
+def prompt_logprob_rows(plan: StepPlan) -> list[tuple[int, Sequence, int]]:
+    """(row, sequence, position) of each token in the step whose logits give the
+    logprob of the prompt token after it, for sequences that collect them."""
+    rows, start = [], 0
+    for chunk in plan.chunks:
+        seq = chunk.seq
+        if seq.collects_prompt:
+            last = min(chunk.start + chunk.num_tokens, seq.num_prompt_tokens - 1)
+            rows += [(start + p - chunk.start, seq, p) for p in range(chunk.start, last)]
+        start += chunk.num_tokens
+    return rows

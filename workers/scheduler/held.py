@@ -15,6 +15,7 @@ class Running:
     output_ids: list[int]  # everything the client will have: delivered before + generated here
     sent: int  # of output_ids, those on their way to the client; the rest are held
     held_logprobs: list[TokenLogprob] = field(default_factory=list)  # the held ids'
+    held_prompt_logprobs: list[TokenLogprob] | None = None  # until the first delta goes
 
     def due(self, finish: str | None) -> bool:
         """Whether the held ids go out now (Submit.stream_interval): a streamed

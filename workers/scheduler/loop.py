@@ -56,6 +56,7 @@ MAX_DEATHS = 3  # a request whose scheduler dies this many times is poison (drai
 ADMITTED_TTL_S = 30  # retried XADDs arrive within seconds; the keys must not pile up
 PULL_EVERY_S = 0.01  # a step's reads of new requests, this far apart at least
 STEP_EMA = 0.2  # weight of the last step in the average step time
+MAX_ALTERNATIVES = 20  # logprobs' top tokens a request may ask for (the api's limit too)
 
 
 class Scheduler:
@@ -317,6 +318,9 @@ class Scheduler:
             raise InvalidRequest(f"token ids must be in [0, {self.tokenizer.vocab_size})")
         if not all(math.isfinite(bias) for bias in sampling.logit_bias.values()):
             raise InvalidRequest("logit_bias values must be finite")
+        for count in (sampling.logprobs, sampling.prompt_logprobs):
+            if count is not None and not 0 <= count <= MAX_ALTERNATIVES:
+                raise InvalidRequest(f"logprobs alternatives must be in [0, {MAX_ALTERNATIVES}]")
         if submit.sampling.max_tokens < 1:
             raise InvalidRequest("max_tokens must be at least 1")
         if submit.stream_interval < 0:
@@ -329,6 +333,8 @@ class Scheduler:
         sampling = run.submit.sampling
         run.output_ids.extend(result.new_ids)
         run.held_logprobs.extend(result.logprobs or [])
+        if result.prompt_logprobs is not None:
+            run.held_prompt_logprobs = result.prompt_logprobs
         finish, matched = result.finish, None
         if sampling.stop and len(run.output_ids) >= sampling.min_tokens:
             matched = find_stop(self.tokenizer, run.output_ids, len(result.new_ids),
@@ -344,10 +350,12 @@ class Scheduler:
         offset, run.sent = run.sent, len(run.output_ids)
         prefix = run.output_ids[max(0, offset - stop_window(sampling.stop)):offset]
         logprobs = run.held_logprobs if result.logprobs is not None else None
-        run.held_logprobs = []
+        prompt_logprobs, run.held_logprobs, run.held_prompt_logprobs = (
+            run.held_prompt_logprobs, [], None)
         return StepOutput(result.request_id, run.submit.reply_to, offset,
                           run.output_ids[offset:], prefix, finish, sampling.stop, matched,
-                          logprobs, run.submit.attempt, sampling.skip_special_tokens)
+                          logprobs, run.submit.attempt, sampling.skip_special_tokens,
+                          prompt_logprobs)
 
     def emit(self, results: list[StepResult]) -> None:
         """Queue a step's outputs for the next flush."""

@@ -160,7 +160,7 @@ class LlamaModel:
 
     def head_input(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    logit_rows: torch.Tensor, attend) -> torch.Tensor:
-        """`forward` up to the lm_head: the final norm of `logit_rows`."""
+        """`forward` up to the lm_head: the final norm of `logit_rows` (ascending)."""
         if self.driver is not None and self.driver.takes(input_ids.shape[0], attend):
             x = self.driver(input_ids, positions)  # the same kernels as _layers, in one call
         else:

@@ -194,3 +194,18 @@ def logprobs_of(raw: torch.Tensor, tokens: torch.Tensor,
                                                      strict=True)]
         result.append([TokenLogprob(token_ids[row], chosen[row], top)])
     return result
+
+
+def prompt_logprobs_of(logits: torch.Tensor, targets: list[int],
+                       counts: list[int]) -> list[TokenLogprob]:
+    """Row i's logprob of token targets[i], and its counts[i] most likely tokens."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    index = torch.tensor(targets, dtype=torch.long, device=logits.device)
+    chosen = logprobs.gather(1, index[:, None]).squeeze(1).tolist()
+    k = max(counts)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return [TokenLogprob(target, value, [TopLogprob(int(t), v) for t, v in
+                                         zip(ids[:count], values[:count], strict=True)])
+            for target, value, count, ids, values
+            in zip(targets, chosen, counts, top_ids, top_values, strict=True)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from pipeline.messages import Sampling
+from pipeline.messages import Sampling, TokenLogprob
 
 
 class Status(Enum):
@@ -30,6 +30,16 @@ class Sequence:
     num_computed: int = 0
     status: Status = Status.WAITING
     stop_ids: frozenset[int] = field(default_factory=frozenset)
+    # Sampling.prompt_logprobs: each prompt token's (from the second on) as its
+    # logits are computed; None when not wanted or once sent with the first token
+    prompt_logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def collects_prompt(self) -> bool:
+        """Whether prompt tokens' logprobs are still to be computed: the prompt is
+        then computed whole, with no prefix reuse."""
+        return (self.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def num_tokens(self) -> int:
