@@ -7,8 +7,10 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Annotated
 
+import msgspec
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -17,7 +19,7 @@ from api.protocol import GenerateRequest, NativeSampling
 from api.sampling import check_prompt, to_sampling
 from api.served import Served, served
 from api.streaming import Choice, Event, EventStream, choice_events, collect, started
-from pipeline.errors import PipelineError
+from pipeline.errors import InvalidRequest, PipelineError
 from pipeline.messages import Sampling
 from pipeline.status import read_live_workers
 from pipeline.tokenizer import Tokenizer
@@ -60,15 +62,20 @@ async def generate(body: GenerateRequest, request: Request, s: ServedDep):
     else:
         prompt_ids = check_prompt(s.tokenizer.encode(body.text or ""), s.limits, "text")
     sampling = _sampling(body, len(prompt_ids), s)
+    if body.return_logprob and body.logprob_start_len >= 0:
+        if body.logprob_start_len >= len(prompt_ids):
+            raise InvalidRequest(f"logprob_start_len must be below the prompt's "
+                                 f"{len(prompt_ids)} tokens", param="logprob_start_len")
+        sampling = msgspec.structs.replace(sampling, prompt_logprobs=body.top_logprobs_num)
     request_id = uuid.uuid4().hex
     response_id = body.rid or request_id
     events = choice_events(s.frontend, [(prompt_ids, sampling)], request_id,
                            s.config.request_timeout_s, s.delta_interval(body.stream))
-    tokenizer = s.tokenizer if body.return_logprob else None
+    logprobs = Logprobs(s.tokenizer, body.logprob_start_len) if body.return_logprob else None
     if body.stream:
-        return EventStream(_cumulative(response_id, prompt_ids, tokenizer, await started(events)))
+        return EventStream(_cumulative(response_id, prompt_ids, logprobs, await started(events)))
     choice = (await collect(request, events, 1))[0]
-    return _result(response_id, prompt_ids, choice, tokenizer)
+    return _result(response_id, prompt_ids, choice, logprobs)
 
 
 def _sampling(body: GenerateRequest, num_prompt_tokens: int, s: Served) -> Sampling:
@@ -88,26 +95,50 @@ def _native_name(param: str | None) -> str | None:
     return f"sampling_params.{field.alias or param}" if field else param
 
 
-async def _cumulative(response_id: str, prompt_ids: list[int], tokenizer: Tokenizer | None,
+@dataclass(frozen=True)
+class Logprobs:
+    """What return_logprob asks: the tokenizer for the triples' texts, and where in
+    the prompt its logprobs begin (-1: none)."""
+
+    tokenizer: Tokenizer
+    start: int
+
+    def triple(self, token_id: int, logprob: float | None) -> list:
+        """SGLang's (logprob, token_id, text)."""
+        return [logprob, token_id, self.tokenizer.token_bytes_text(token_id)]
+
+    def add(self, meta: dict, prompt_ids: list[int], choice: Choice) -> None:
+        meta["output_token_logprobs"] = [self.triple(i.token_id, i.logprob)
+                                         for i in choice.logprobs]
+        meta["output_top_logprobs"] = [[self.triple(t.token_id, t.logprob) for t in i.top]
+                                       for i in choice.logprobs]
+        if self.start < 0 or choice.prompt_logprobs is None:
+            return
+        prompt = [None, *choice.prompt_logprobs]  # the first has none
+        prompt = (prompt + [None] * len(prompt_ids))[self.start:len(prompt_ids)]
+        meta["input_token_logprobs"] = [
+            self.triple(token_id, None if i is None else i.logprob)
+            for token_id, i in zip(prompt_ids[self.start:], prompt, strict=True)]
+        meta["input_top_logprobs"] = [
+            None if i is None else [self.triple(t.token_id, t.logprob) for t in i.top]
+            for i in prompt]
+
+
+async def _cumulative(response_id: str, prompt_ids: list[int], logprobs: Logprobs | None,
                       events: AsyncIterator[Event]) -> AsyncIterator[dict]:
     choice = Choice()
     async with aclosing(events):
         async for _index, delta in events:
             choice.add(delta)
             if delta.text or delta.finish is not None or delta.logprobs:
-                yield _result(response_id, prompt_ids, choice, tokenizer)
+                yield _result(response_id, prompt_ids, choice, logprobs)
 
 
 def _result(response_id: str, prompt_ids: list[int], choice: Choice,
-            tokenizer: Tokenizer | None) -> dict:
+            logprobs: Logprobs | None) -> dict:
     finish = {"type": choice.finish} if choice.finish is not None else None
     meta = {"id": response_id, "prompt_tokens": len(prompt_ids),
             "completion_tokens": len(choice.token_ids), "finish_reason": finish}
-    if tokenizer is not None:  # SGLang's (logprob, token_id, text) triples
-        def triple(token_id: int, logprob: float) -> list:
-            return [logprob, token_id, tokenizer.token_bytes_text(token_id)]
-
-        meta["output_token_logprobs"] = [triple(i.token_id, i.logprob) for i in choice.logprobs]
-        meta["output_top_logprobs"] = [[triple(t.token_id, t.logprob) for t in i.top]
-                                       for i in choice.logprobs]
+    if logprobs is not None:
+        logprobs.add(meta, prompt_ids, choice)
     return {"text": choice.text, "output_ids": choice.token_ids, "meta_info": meta}

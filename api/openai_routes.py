@@ -9,6 +9,7 @@ import time
 import uuid
 from typing import Annotated
 
+import msgspec
 from fastapi import APIRouter, Depends, Request
 
 from api.protocol import ChatMessage, ChatRequest, CompletionRequest, ContentPart, OpenAIRequest
@@ -68,8 +69,10 @@ async def completions(body: CompletionRequest, request: Request, s: ServedDep):
     for prompt_ids in prompts:  # each its own default max_tokens: the room its prompt leaves
         sampling = to_sampling(body, num_prompt_tokens=len(prompt_ids), limits=s.limits,
                                num_logprobs=body.logprobs)
+        if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs too
+            sampling = msgspec.structs.replace(sampling, prompt_logprobs=body.logprobs)
         samplings += per_choice(sampling, body.n)
-    job = _job(body, s, False, prompts, samplings)
+    job = _job(body, s, False, prompts, samplings, echo=body.echo)
     return await _run(job, body.stream, request, s)
 
 
@@ -117,12 +120,12 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]], s: Served) -
 
 
 def _job(body: OpenAIRequest, s: Served, is_chat: bool, prompts: list[list[int]],
-         samplings: list[Sampling]) -> Job:
+         samplings: list[Sampling], echo: bool = False) -> Job:
     prefix = "chatcmpl" if is_chat else "cmpl"
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     return Job(is_chat=is_chat, response_id=f"{prefix}-{uuid.uuid4().hex}",
                created=int(time.time()), model=s.model_name, prompts=prompts,
-               samplings=samplings, include_usage=include_usage)
+               samplings=samplings, include_usage=include_usage, echo=echo)
 
 
 async def _run(job: Job, stream: bool, request: Request, s: Served):

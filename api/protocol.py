@@ -105,8 +105,6 @@ class CompletionRequest(OpenAIRequest):
     suffix: str | None = None
 
     def unsupported(self) -> str | None:
-        if self.echo:
-            return "echo"
         if self.suffix:
             return "suffix"
         return super().unsupported()
@@ -132,6 +130,8 @@ class GenerateRequest(BaseModel):
     rid: str | None = None  # echoed as meta_info.id; the wire request_id stays ours (unique)
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # SGLang's: with return_logprob, the prompt's logprobs from this position on; -1: none
+    logprob_start_len: int = -1
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:

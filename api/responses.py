@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ class Job:
     prompts: list[list[int]]
     samplings: list[Sampling]  # one a choice: n for each prompt, in its order
     include_usage: bool = False
+    echo: bool = False  # a completion's text (and logprobs) begin with its prompt's
 
     @property
     def runs(self) -> list[Run]:
@@ -55,6 +57,8 @@ def whole_response(job: Job, tokenizer: Tokenizer, choices: list[Choice]) -> dic
 
 
 def _choice(job: Job, tokenizer: Tokenizer, index: int, choice: Choice) -> dict:
+    if job.echo:
+        return _echoed(job, tokenizer, index, choice, choice.text, choice.logprobs)
     logprobs = _logprobs(job, tokenizer, choice.logprobs, 0) if job.wants_logprobs else None
     if job.is_chat:
         content = {"message": {"role": "assistant", "content": choice.text}}
@@ -63,11 +67,44 @@ def _choice(job: Job, tokenizer: Tokenizer, index: int, choice: Choice) -> dict:
     return {"index": index, **content, "logprobs": logprobs, "finish_reason": choice.finish}
 
 
+def _echoed(job: Job, tokenizer: Tokenizer, index: int, choice: Choice, text: str,
+            logprobs: list[TokenLogprob]) -> dict:
+    """A completion choice (or its first chunk) led by its prompt: the prompt's text,
+    and with logprobs its tokens, the first with none (nothing comes before it)."""
+    prompt_ids = job.runs[index][0]
+    prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=False)
+    body = {"index": index, "text": prompt_text + text, "logprobs": None,
+            "finish_reason": choice.finish}
+    if job.wants_logprobs:
+        prompt = _prompt_logprobs(tokenizer, prompt_ids, choice.prompt_logprobs or [])
+        output = completion_logprobs(tokenizer, logprobs, len(prompt_text))
+        body["logprobs"] = {key: prompt[key] + output[key] for key in output}
+    return body
+
+
+def _prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int],
+                     logprobs: list[TokenLogprob]) -> dict:
+    """The legacy shape for an echoed prompt, from text offset 0: None for its first
+    token (and for any whose logprob did not come)."""
+    known = [None, *logprobs][:len(prompt_ids)]
+    known += [None] * (len(prompt_ids) - len(known))
+    tokens = [tokenizer.token_bytes_text(token_id) for token_id in prompt_ids]
+    offsets = [0, *itertools.accumulate(len(token) for token in tokens)][:-1]
+    top = [None if item is None else
+           {tokenizer.token_bytes_text(alt.token_id): alt.logprob for alt in item.top}
+           for item in known]
+    return {"tokens": tokens, "token_logprobs": [None if item is None else item.logprob
+                                                 for item in known],
+            "top_logprobs": top, "text_offset": offsets}
+
+
 async def stream_chunks(job: Job, tokenizer: Tokenizer,
                         events: AsyncIterator[Event]) -> AsyncIterator[dict]:
     """A chunk per delta that says something; a chat stream opens each choice with its
-    role, and `include_usage` adds a last chunk with usage and no choices."""
+    role, an echo leads each choice's first chunk with its prompt, and `include_usage`
+    adds a last chunk with usage and no choices."""
     choices = [Choice() for _ in job.samplings]
+    echoed = [0] * len(choices)  # the length of each choice's echoed prompt text
     async with aclosing(events):
         if job.is_chat:
             opening = [{"index": index, "delta": {"role": "assistant", "content": ""},
@@ -75,9 +112,15 @@ async def stream_chunks(job: Job, tokenizer: Tokenizer,
                        for index in range(len(choices))]
             yield job.envelope(is_chunk=True) | {"choices": opening}
         async for index, delta in events:
-            text_offset = len(choices[index].text)
+            text_offset = echoed[index] + len(choices[index].text)
+            is_first = not choices[index].token_ids
             choices[index].add(delta)
-            if delta.text or delta.logprobs or delta.finish is not None:
+            if job.echo and is_first:
+                chunk_choice = _echoed(job, tokenizer, index, choices[index], delta.text,
+                                       delta.logprobs or [])
+                echoed[index] = len(chunk_choice["text"]) - len(delta.text)
+                yield job.envelope(is_chunk=True) | {"choices": [chunk_choice]}
+            elif delta.text or delta.logprobs or delta.finish is not None:
                 chunk_choice = _chunk_choice(job, tokenizer, index, delta, text_offset)
                 yield job.envelope(is_chunk=True) | {"choices": [chunk_choice]}
     if job.include_usage:

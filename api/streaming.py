@@ -31,12 +31,15 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # Sampling.prompt_logprobs'
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs or [])
         self.finish = delta.finish
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
 
 def per_choice(sampling: Sampling, n: int) -> list[Sampling]:

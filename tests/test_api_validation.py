@@ -198,7 +198,7 @@ async def test_every_response_names_its_request(client, given, kept):
 @pytest.mark.parametrize(("path", "extra", "param"), [
     (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
-    (COMPLETIONS, {"echo": True}, "echo"),
+    (COMPLETIONS, {"suffix": "end"}, "suffix"),
     (COMPLETIONS, {"best_of": 3}, "best_of"),
 ])
 async def test_features_this_server_lacks_are_refused_not_ignored(client, path, extra, param):

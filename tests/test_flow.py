@@ -123,6 +123,27 @@ def test_generate_route_returns_text_and_ids(tier, reference):
     assert ids["choices"][0]["message"]["content"] == reference[prompt]
 
 
+def test_generate_returns_the_prompts_logprobs_from_logprob_start_len(tier):
+    """SGLang's input_token_logprobs: the same figures /v1/completions' echo gives."""
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    body = {"text": prompt, "return_logprob": True, "logprob_start_len": 2,
+            "top_logprobs_num": 1, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    meta = httpx.post(f"{tier.base_url}/generate", json=body, timeout=120).json()["meta_info"]
+    echo = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1}
+    echoed = httpx.post(f"{tier.base_url}/v1/completions", json=echo,
+                        timeout=120).json()["choices"][0]["logprobs"]
+    count = meta["prompt_tokens"]
+    assert [t[2] for t in meta["input_token_logprobs"]] == echoed["tokens"][2:count]
+    assert [t[0] for t in meta["input_token_logprobs"]] == pytest.approx(
+        echoed["token_logprobs"][2:count], abs=1e-4)
+    assert all(len(top) == 1 for top in meta["input_top_logprobs"])
+    assert len(meta["output_token_logprobs"]) == meta["completion_tokens"] == 2
+    too_far = body | {"logprob_start_len": count}
+    response = httpx.post(f"{tier.base_url}/generate", json=too_far, timeout=30)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "logprob_start_len"
+
+
 @pytest.fixture(scope="module")
 def chunky_url(tier):
     """A second api on the same tier, whose streamed chunks carry 4 tokens each."""

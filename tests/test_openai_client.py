@@ -5,6 +5,8 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from pipeline.tokenizer import Tokenizer
 
@@ -69,6 +71,35 @@ def test_logit_bias_bans_a_token_and_forces_another(tier, model_files):
     assert complete().startswith(" Paris")
     assert not complete(logit_bias={str(paris): -100}).startswith(" Paris")
     assert complete(logit_bias={str(banana): 100}) == tokenizer.decode([banana] * 3)
+
+
+def test_echo_leads_with_the_prompt_and_its_logprobs_as_transformers_has_them(
+        tier, model_files):
+    """echo with logprobs: the prompt's text, its tokens' logprobs (the first none)
+    equal to transformers' fp32 ones, then the completion as it is without echo; the
+    prompt was just run, so its cached blocks are computed again, not reused."""
+    client = openai.OpenAI(base_url=f"{tier.base_url}/v1", api_key="unused", timeout=120)
+    prompt = "The capital of France is Paris. The capital of Germany is Berlin. The capital of"
+    ask = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 4,
+           "temperature": 0, "logprobs": 2}
+    plain = client.completions.create(**ask).choices[0]
+    echoed = client.completions.create(**ask, echo=True).choices[0]
+    ids = Tokenizer(model_files.path).encode(prompt)
+    assert len(ids) > 16 and echoed.text == prompt + plain.text
+    logprobs, count = echoed.logprobs, len(ids)
+    assert logprobs.tokens[count:] == plain.logprobs.tokens
+    assert logprobs.token_logprobs[count:] == pytest.approx(plain.logprobs.token_logprobs,
+                                                            abs=1e-4)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    model = AutoModelForCausalLM.from_pretrained(model_files.path, dtype=torch.float32)
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1], -1)
+    assert logprobs.token_logprobs[1:count] == pytest.approx(
+        expected.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).tolist(), abs=1e-3)
+    assert all(len(top) == 2 for top in logprobs.top_logprobs[1:])
+    assert logprobs.text_offset[:2] == [0, len(logprobs.tokens[0])]
+    streamed = client.completions.create(**ask | {"logprobs": None}, echo=True, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == echoed.text
 
 
 def test_openai_client_sees_errors_as_openai_errors(tier):
