@@ -30,8 +30,10 @@ class Job:
 
     @property
     def runs(self) -> list[Run]:
-        n = len(self.samplings) // len(self.prompts)
-        return [(self.prompts[i // n], sampling) for i, sampling in enumerate(self.samplings)]
+        return [(self.prompt_of(i), sampling) for i, sampling in enumerate(self.samplings)]
+
+    def prompt_of(self, index: int) -> list[int]:
+        return self.prompts[index // (len(self.samplings) // len(self.prompts))]
 
     @property
     def wants_logprobs(self) -> bool:
@@ -71,7 +73,7 @@ def _echoed(job: Job, tokenizer: Tokenizer, index: int, choice: Choice, text: st
             logprobs: list[TokenLogprob]) -> dict:
     """A completion choice (or its first chunk) led by its prompt: the prompt's text,
     and with logprobs its tokens, the first with none (nothing comes before it)."""
-    prompt_ids = job.runs[index][0]
+    prompt_ids = job.prompt_of(index)
     prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=False)
     body = {"index": index, "text": prompt_text + text, "logprobs": None,
             "finish_reason": choice.finish}

@@ -93,7 +93,8 @@ def _stand_in_frontend(tier, name: str) -> tuple[redis.Redis, Keys, str]:
     ([1, 2], Sampling(max_tokens=4, min_tokens=2, stop_token_ids=[10**9])),
     ([1, 2], Sampling(max_tokens=4, logit_bias={10**9: 5.0})),
     ([1, 2], Sampling(max_tokens=4, logit_bias={7: float("nan")})),
-], ids=["prompt", "stop_token_ids", "logit_bias", "nan_bias"])
+    ([1, 2], Sampling(max_tokens=4, prompt_logprobs=10**6)),
+], ids=["prompt", "stop_token_ids", "logit_bias", "nan_bias", "prompt_logprobs"])
 def test_an_impossible_request_written_straight_to_redis_fails_back_to_its_sender(
         tier, prompt_ids, sampling):
     """Token ids a step would index the logits with, checked before it runs."""
