@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api import native_routes, openai_routes, tokenize_routes
@@ -59,6 +60,10 @@ def create_app(config: Config, model: ModelFiles | None = None) -> FastAPI:
     app.include_router(native_routes.router)
     app.include_router(tokenize_routes.router)
     app.add_middleware(RequestGuard, config=config.api, metrics=metrics)
+    if config.api.allowed_origins:  # outside the guard: a browser's preflight has no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.api.allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["*"],
+                           expose_headers=["x-request-id"])
     return app
 
 

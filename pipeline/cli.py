@@ -45,6 +45,9 @@ ApiKey = Annotated[str | None, _opt(
 ServedModelName = Annotated[str | None, _opt(
     "SERVED_MODEL_NAME", "The model's name in the API (/v1/models, responses, requests' "
     "model field) instead of --model's; NAME,ALIAS,...: the first is shown, any is taken.")]
+AllowedOrigins = Annotated[str | None, _opt(
+    "ALLOWED_ORIGINS", "Origins a browser page may call the api from (CORS): "
+    "https://a.example,https://b.example, or * for any; default none.")]
 MaxRunning = Annotated[int | None, _opt("MAX_RUNNING_REQUESTS", "Requests batched per "
                                         "scheduler (default: 64 on a CPU, 256 on a GPU).")]
 MaxBatchTokens = Annotated[int | None, _opt("MAX_BATCH_TOKENS", "Tokens per step (chunked "
@@ -100,7 +103,8 @@ def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: in
                  request_timeout: float, max_queued_requests: int,
                  alive_ttl_s: float, stream_interval: int,
                  kv_cache_dtype: str = "auto", drain_timeout_s: float = 20.0,
-                 served_model_name: str | None = None, access_log: bool = False) -> Config:
+                 served_model_name: str | None = None, access_log: bool = False,
+                 allowed_origins: str | None = None) -> Config:
     names = () if served_model_name is None else tuple(
         name.strip() for name in served_model_name.split(",") if name.strip())
     if served_model_name is not None and not names:
@@ -111,7 +115,8 @@ def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: in
                           heartbeat_s=min(1.0, alive_ttl_s / 4)),
         api=ApiConfig(host=host, port=port, api_key=api_key, request_timeout_s=request_timeout,
                       max_queued_requests=max_queued_requests, stream_interval=stream_interval,
-                      served_model_names=names, access_log=access_log),
+                      served_model_names=names, access_log=access_log,
+                      allowed_origins=_listed(allowed_origins)),
         scheduler=SchedulerConfig(max_running_requests=max_running_requests,
                                   max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb,
                                   dtype=dtype, quantization=quantization,
@@ -119,6 +124,11 @@ def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: in
                                   cuda_graph_max_batch=cuda_graph_max_batch,
                                   kv_cache_dtype=kv_cache_dtype),
     )
+
+
+def _listed(text: str | None) -> tuple[str, ...]:
+    """A comma-separated option's items, blanks dropped."""
+    return tuple(item.strip() for item in (text or "").split(",") if item.strip())
 
 
 def child_env(config: Config, redis_url: str, log_level: str, api_workers: int,
@@ -129,6 +139,7 @@ def child_env(config: Config, redis_url: str, log_level: str, api_workers: int,
         "HOST": config.api.host, "PORT": config.api.port, "API_KEY": config.api.api_key,
         "SERVED_MODEL_NAME": ",".join(config.api.served_model_names) or None,
         "ACCESS_LOG": "true" if config.api.access_log else None,
+        "ALLOWED_ORIGINS": ",".join(config.api.allowed_origins) or None,
         "API_WORKERS": api_workers,
         "MAX_RUNNING_REQUESTS": config.scheduler.max_running_requests,
         "MAX_BATCH_TOKENS": config.scheduler.max_batch_tokens,
@@ -164,6 +175,7 @@ def serve(
     max_queued_requests: MaxQueued = 1024, alive_ttl_s: AliveTtl = 5.0,
     stream_interval: StreamInterval = 1, drain_timeout_s: DrainTimeout = 20.0,
     log_level: LogLevel = "info", log_format: LogFormat = "text", access_log: AccessLog = False,
+    allowed_origins: AllowedOrigins = None,
 ) -> None:
     """Run every role as its own process, plus an embedded Redis when no URL is given."""
     from pipeline.supervisor import serve_forever
@@ -185,7 +197,8 @@ def serve(
         request_timeout=request_timeout,
         max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s,
         stream_interval=stream_interval, drain_timeout_s=drain_timeout_s,
-        served_model_name=served_model_name, access_log=access_log)
+        served_model_name=served_model_name, access_log=access_log,
+        allowed_origins=allowed_origins)
     counts = {"api": api_workers, "scheduler": schedulers, "detokenizer": detokenizers}
     raise typer.Exit(serve_forever(config, counts, lambda url: child_env(
         config, url, log_level, api_workers, log_format)))
@@ -208,6 +221,7 @@ def worker(
     max_queued_requests: MaxQueued = 1024, alive_ttl_s: AliveTtl = 5.0,
     stream_interval: StreamInterval = 1, drain_timeout_s: DrainTimeout = 20.0,
     log_level: LogLevel = "info", log_format: LogFormat = "text", access_log: AccessLog = False,
+    allowed_origins: AllowedOrigins = None,
 ) -> None:
     """Run exactly one role against a shared Redis."""
     from pipeline.roles import run_role
@@ -223,7 +237,8 @@ def worker(
         request_timeout=request_timeout,
         max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s,
         stream_interval=stream_interval, drain_timeout_s=drain_timeout_s,
-        served_model_name=served_model_name, access_log=access_log)
+        served_model_name=served_model_name, access_log=access_log,
+        allowed_origins=allowed_origins)
     config = _with_worker_id(config, role, worker_id)
     run_role(role.value, config, api_workers=api_workers)
 

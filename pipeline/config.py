@@ -29,6 +29,7 @@ class ApiConfig:
     # responses show; (): the model's own (--model's)
     served_model_names: tuple[str, ...] = ()
     access_log: bool = False  # a record for every HTTP request (uvicorn's, at info)
+    allowed_origins: tuple[str, ...] = ()  # CORS: pages that may call the api; ("*",): any
     max_queued_requests: int = 1024  # unadmitted requests before 503
     request_timeout_s: float = 600.0
     max_body_bytes: int = 4 * 1024 * 1024

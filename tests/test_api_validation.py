@@ -355,6 +355,31 @@ async def test_any_of_several_api_keys_is_accepted(redis_url, prefix, model_file
             assert response.status_code == status, key
 
 
+async def test_browser_pages_from_allowed_origins_may_call_the_api(redis_url, prefix,
+                                                                   model_files):
+    """--allowed-origins: a browser's preflight is answered without the API key (it
+    never carries one), and responses name the origin; other origins get nothing."""
+    page, other = "https://app.example", "https://other.example"
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    async with serving(redis_url, prefix, model_files, api_key="k",
+                       allowed_origins=(page,)) as client:
+        allowed = await client.options(CHAT, headers=preflight | {"Origin": page})
+        assert allowed.status_code == 200
+        assert allowed.headers["access-control-allow-origin"] == page
+        refused = await client.options(CHAT, headers=preflight | {"Origin": other})
+        assert refused.status_code == 400
+        assert "access-control-allow-origin" not in refused.headers
+        listed = await client.get("/v1/models", headers={"Origin": page,
+                                                         "Authorization": "Bearer k"})
+        assert listed.status_code == 200
+        assert listed.headers["access-control-allow-origin"] == page
+        assert "x-request-id" in listed.headers["access-control-expose-headers"]
+    async with serving(redis_url, prefix, model_files) as client:  # the default: no CORS
+        listed = await client.get("/v1/models", headers={"Origin": page})
+        assert listed.status_code == 200 and "access-control-allow-origin" not in listed.headers
+
+
 def test_config_survives_a_json_round_trip():
     config = Config(model="/models/x", redis=RedisConfig(prefix="p", heartbeat_s=0.5),
                     api=ApiConfig(api_key="k", max_n=3, frontend_id=None))

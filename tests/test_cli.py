@@ -10,6 +10,7 @@ import sys
 
 import httpx
 
+from pipeline.cli import build_config, child_env
 from pipeline.status import live_workers
 
 
@@ -48,6 +49,21 @@ def test_status_says_which_roles_are_missing_and_when_redis_is_unreachable(tier)
         assert f"no live {role}" in empty.stdout
     down = status("--redis-url", "redis://127.0.0.1:1/0")
     assert down.returncode == 1 and "cannot reach Redis" in down.stdout
+
+
+def test_serve_hands_its_api_options_to_the_workers_it_starts():
+    options = {"allowed_origins": "https://a.example, *", "served_model_name": "a,b",
+               "api_key": "k1,k2", "access_log": True}
+    config = build_config(redis_url="", prefix="p", model="m", host="h", port=1,
+                          max_running_requests=None, max_batch_tokens=None, kv_cache_mb=None,
+                          dtype="auto", quantization="auto", activations="auto", device="cpu",
+                          num_threads=1, cuda_graph_max_batch=1, request_timeout=1.0,
+                          max_queued_requests=1, alive_ttl_s=1.0, stream_interval=1, **options)
+    assert config.api.allowed_origins == ("https://a.example", "*")
+    env = child_env(config, "redis://r", "info", 1, "text")
+    assert env["PIPELINE_ALLOWED_ORIGINS"] == "https://a.example,*"
+    assert env["PIPELINE_SERVED_MODEL_NAME"] == "a,b" and env["PIPELINE_API_KEY"] == "k1,k2"
+    assert env["PIPELINE_ACCESS_LOG"] == "true"
 
 
 def test_bad_settings_are_one_line_and_exit_2_not_a_traceback(tmp_path):
@@ -94,8 +110,12 @@ def test_json_logs_are_one_object_a_line_uvicorn_s_too(tier):
 def test_an_access_log_records_each_request(tier):
     """--access-log with --log-format json: uvicorn's record of each request,
     method, path and status in its message and its request id beside them, as a
-    JSON line in the api's log."""
-    with tier.extra_api(**{"access-log": True, "log-format": "json"}) as (url, proc):
+    JSON line in the api's log (and --allowed-origins answers a browser's preflight)."""
+    with tier.extra_api(**{"access-log": True, "log-format": "json",
+                           "allowed-origins": "https://app.example"}) as (url, proc):
+        preflight = httpx.options(f"{url}/v1/completions", timeout=10, headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
+        assert preflight.headers["access-control-allow-origin"] == "https://app.example"
         body = {"prompt": "Hello", "max_tokens": 2}
         completed = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert completed.status_code == 200
