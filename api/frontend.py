@@ -144,7 +144,7 @@ class Frontend:
                 if event is EXPIRED:
                     raise TimeoutError
                 if isinstance(event, Failed):
-                    raise error_from_code(event.code, event.detail)
+                    raise error_from_code(event.code, event.detail, event.param)
                 generation.delta(len(event.token_ids))
                 outcome = event.finish or outcome
                 yield event

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -20,7 +21,7 @@ from api.sampling import check_prompt, to_sampling
 from api.served import Served, served
 from api.streaming import Choice, Event, EventStream, choice_events, collect, started
 from pipeline.errors import InvalidRequest, PipelineError
-from pipeline.messages import Sampling
+from pipeline.messages import Sampling, Structure
 from pipeline.status import read_live_workers
 from pipeline.tokenizer import Tokenizer
 
@@ -80,13 +81,27 @@ async def generate(body: GenerateRequest, request: Request, s: ServedDep):
 
 def _sampling(body: GenerateRequest, num_prompt_tokens: int, s: Served) -> Sampling:
     num_logprobs = body.top_logprobs_num if body.return_logprob else None
+    schema = body.sampling_params.json_schema
     try:
+        structure = None if schema is None else Structure(
+            kind="json_schema", schema=json.dumps(_json_object(schema)))
         return to_sampling(body.sampling_params, num_prompt_tokens=num_prompt_tokens,
                            limits=s.limits, num_logprobs=num_logprobs,
-                           logprobs_param="top_logprobs_num")
+                           logprobs_param="top_logprobs_num", structure=structure)
     except PipelineError as error:
         error.param = _native_name(error.param)
         raise
+
+
+def _json_object(text: str) -> dict:
+    """sampling_params.json_schema's text as the object a schema is."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise InvalidRequest("json_schema must be a JSON object's text", param="json_schema")
+    return value
 
 
 def _native_name(param: str | None) -> str | None:

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, Request
 
 from api.protocol import ChatMessage, ChatRequest, CompletionRequest, ContentPart, OpenAIRequest
 from api.responses import Job, stream_chunks, whole_response
-from api.sampling import MAX_PROMPTS, check_prompt, to_sampling
+from api.sampling import MAX_PROMPTS, check_prompt, structure_of, to_sampling
 from api.served import Served, served
 from api.streaming import EventStream, choice_events, collect, per_choice, started
 from pipeline.errors import InvalidRequest
@@ -50,7 +50,8 @@ async def chat_completions(body: ChatRequest, request: Request, s: ServedDep):
     prompt_ids = check_prompt(chat_prompt_ids(body.messages, s), s.limits, "messages")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     sampling = to_sampling(body, num_prompt_tokens=len(prompt_ids), limits=s.limits,
-                           num_logprobs=num_logprobs, logprobs_param="top_logprobs")
+                           num_logprobs=num_logprobs, logprobs_param="top_logprobs",
+                           structure=structure_of(body.response_format))
     job = _job(body, s, True, [prompt_ids], per_choice(sampling, body.n))
     return await _run(job, body.stream, request, s)
 

@@ -93,8 +93,6 @@ class ChatRequest(OpenAIRequest):
             return "tools"
         if self.tool_choice not in (None, "none", "auto"):
             return "tool_choice"
-        if self.response_format not in (None, {"type": "text"}):
-            return "response_format"
         return super().unsupported()
 
 
@@ -118,6 +116,7 @@ class NativeSampling(SamplingFields):
     max_tokens: int | None = Field(None, alias="max_new_tokens")
     min_tokens: int = Field(0, alias="min_new_tokens")
     n: Literal[1] = 1
+    json_schema: str | None = None  # SGLang's: the output is JSON this schema admits
 
 
 class GenerateRequest(BaseModel):

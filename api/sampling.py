@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from api.protocol import SamplingFields
 from pipeline.errors import ContextLengthExceeded, InvalidRequest
-from pipeline.messages import Sampling
+from pipeline.messages import Sampling, Structure
 
 DEFAULT_MAX_TOKENS = 1024
 MAX_STOP_STRINGS = 16
@@ -29,6 +30,7 @@ class Limits:
 def to_sampling(
     fields: SamplingFields, *, num_prompt_tokens: int, limits: Limits,
     num_logprobs: int | None = None, logprobs_param: str = "logprobs",
+    structure: Structure | None = None,
 ) -> Sampling:
     """Validate and translate. Without max_tokens a request may fill the context, but
     gets at most DEFAULT_MAX_TOKENS (1024) new tokens: a forgotten limit should not hold
@@ -63,8 +65,30 @@ def to_sampling(
         repetition_penalty=fields.repetition_penalty,
         frequency_penalty=fields.frequency_penalty, presence_penalty=fields.presence_penalty,
         logprobs=num_logprobs, skip_special_tokens=fields.skip_special_tokens,
-        logit_bias=_logit_bias(fields.logit_bias or {}, limits),
+        logit_bias=_logit_bias(fields.logit_bias or {}, limits), structure=structure,
     )
+
+
+def structure_of(response_format: dict | None) -> Structure | None:
+    """OpenAI's response_format: text (None), json_object, or json_schema with its
+    schema under json_schema.schema. Whether a scheduler can hold the output to the
+    schema is its to say (a 400 from there names what it cannot)."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Structure(kind=kind)
+    if kind != "json_schema":
+        raise InvalidRequest("response_format.type must be text, json_object or json_schema",
+                             param="response_format.type")
+    spec = response_format.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise InvalidRequest("a json_schema response_format needs its schema as an object "
+                             "under json_schema.schema", param="response_format.json_schema")
+    return Structure(kind=kind, schema=json.dumps(schema))
 
 
 def check_prompt(prompt_ids: list[int], limits: Limits, param: str) -> list[int]:

@@ -63,11 +63,11 @@ class ConfigError(PipelineError):
     code = "invalid_request"
 
 
-def error_from_code(code: str, detail: str) -> PipelineError:
+def error_from_code(code: str, detail: str, param: str | None = None) -> PipelineError:
     for cls in (InvalidRequest, ContextLengthExceeded, Unauthorized, ModelNotFound,
                 Overloaded, RequestTimeout):
         if cls.code == code:
-            return cls(detail)
-    error = PipelineError(detail)
+            return cls(detail, param=param)
+    error = PipelineError(detail, param=param)
     error.code = code if code in CODES else "internal"
     return error

@@ -10,6 +10,14 @@ import msgspec
 from msgspec import Struct
 
 
+class Structure(Struct, frozen=True, kw_only=True):
+    """What the output must be (response_format): any JSON object, or JSON that a
+    schema admits (`schema`: the schema as JSON text)."""
+
+    kind: str  # "json_object" | "json_schema"
+    schema: str = ""
+
+
 class Sampling(Struct, frozen=True, kw_only=True, omit_defaults=True):
     """How to pick tokens and when to stop; the api validates, workers trust."""
 
@@ -32,6 +40,7 @@ class Sampling(Struct, frozen=True, kw_only=True, omit_defaults=True):
     # k: each prompt token's logprob (from the second on) and k alternatives, sent
     # with the first output token; the prompt is then computed whole (no prefix reuse)
     prompt_logprobs: int | None = None
+    structure: Structure | None = None  # None: any text
 
 
 # ---- {prefix}:requests  (api -> scheduler group) ----
@@ -118,6 +127,7 @@ class Failed(Struct, frozen=True, tag="failed"):
     # why a RETRY: its scheduler died running it (True: a death toward the poison
     # limit), or a draining scheduler handed it back (False: nothing against it)
     died: bool = True
+    param: str | None = None  # the request field at fault, where one is
 
 
 class TokenBatch(Struct, frozen=True, tag="tokens"):

@@ -174,6 +174,20 @@ async def test_a_logit_bias_off_the_vocabulary_or_range_is_a_400(client, bias):
     assert_openai_error(await client.post(CHAT, json=body), 400, "invalid_request", "logit_bias")
 
 
+@pytest.mark.parametrize(("path", "extra", "param"), [
+    (CHAT, {"response_format": {"type": "xml"}}, "response_format.type"),
+    (CHAT, {"response_format": {}}, "response_format.type"),
+    (CHAT, {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"schema": "{}"}}},
+     "response_format.json_schema"),
+    ("/generate", {"sampling_params": {"json_schema": "{nope"}}, "sampling_params.json_schema"),
+    ("/generate", {"sampling_params": {"json_schema": "[1]"}}, "sampling_params.json_schema"),
+])
+async def test_a_response_format_of_the_wrong_shape_is_a_400(client, path, extra, param):
+    body = ({"text": "Hello"} if path == "/generate" else {"messages": HELLO}) | extra
+    assert_openai_error(await client.post(path, json=body), 400, "invalid_request", param)
+
+
 async def test_a_batched_prompt_over_the_context_names_its_place(client):
     response = await client.post(COMPLETIONS, json={"prompt": [[1] * 10, [1] * CONTEXT]})
     assert_openai_error(response, 400, "context_length_exceeded", "prompt[1]")
@@ -197,7 +211,7 @@ async def test_every_response_names_its_request(client, given, kept):
 
 @pytest.mark.parametrize(("path", "extra", "param"), [
     (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"tool_choice": "required"}, "tool_choice"),
     (COMPLETIONS, {"suffix": "end"}, "suffix"),
     (COMPLETIONS, {"best_of": 3}, "best_of"),
 ])

@@ -3,6 +3,7 @@ continuous batching, chunked prefill, preemption, prefix reuse, abort, seeds."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -12,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.config import SchedulerConfig
 from pipeline.errors import ContextLengthExceeded, InvalidRequest
-from pipeline.messages import Sampling
+from pipeline.messages import Sampling, Structure
 from workers.scheduler.engine import Engine, EngineRequest
 
 PROMPTS = [
@@ -294,6 +295,33 @@ def test_prompt_logprobs_equal_transformers_and_come_once(
             expected.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).tolist(), abs=1e-3)
         top = expected.topk(2).indices.tolist()
         assert [[t.token_id for t in lp.top] for lp in logprobs] == top
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"},
+                                          "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_a_json_schema_holds_the_output_and_a_continuation_resumes_inside_it(
+        engine, tokenizer):
+    """Greedy output held to a schema parses and fits it; a continuation that was
+    delivered the first tokens (a rescue) makes exactly the rest; delivered tokens the
+    schema cannot take are refused."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Name a famous person."}],
+                                        add_generation_prompt=True, tokenize=True)["input_ids"]
+    structure = Structure(kind="json_schema", schema=json.dumps(PERSON))
+    sampling = Sampling(max_tokens=60, temperature=0.0, structure=structure)
+    whole = run_all(engine, [EngineRequest("whole", ids, [], sampling)])["whole"]
+    person = json.loads(tokenizer.decode(whole, skip_special_tokens=True))
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+    rest = run_all(engine, [EngineRequest("rest", ids, whole[:5], sampling)])["rest"]
+    assert whole[:5] + rest == whole
+    wrong = tokenizer.encode("Hello")
+    with pytest.raises(InvalidRequest, match="does not follow"):
+        engine.add(EngineRequest("wrong", ids, wrong, sampling))
+    with pytest.raises(InvalidRequest, match="schema: Unsupported type"):
+        engine.add(EngineRequest("bad", ids, [], Sampling(structure=Structure(
+            kind="json_schema", schema='{"type": "nonsense"}'))))
 
 
 def test_greedy_picks_in_the_lm_heads_kernel_equal_the_samplers(model_files, prompt_ids):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -100,6 +102,41 @@ def test_echo_leads_with_the_prompt_and_its_logprobs_as_transformers_has_them(
     assert logprobs.text_offset[:2] == [0, len(logprobs.tokens[0])]
     streamed = client.completions.create(**ask | {"logprobs": None}, echo=True, stream=True)
     assert "".join(chunk.choices[0].text for chunk in streamed) == echoed.text
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"},
+                                          "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_response_format_holds_a_chat_to_json_and_to_a_schema(tier):
+    """json_schema: the reply parses and fits the schema, streamed or not; /generate's
+    json_schema the same; json_object: JSON (or cut by max_tokens); a schema the
+    scheduler cannot hold to is a 400 that says why."""
+    client = openai.OpenAI(base_url=f"{tier.base_url}/v1", api_key="unused", timeout=120)
+    ask = {"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 60,
+           "messages": [{"role": "user", "content": "Name a famous person and their age."}]}
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    reply = client.chat.completions.create(**ask, response_format=schema).choices[0]
+    person = json.loads(reply.message.content)
+    assert reply.finish_reason == "stop" and set(person) == {"name", "age"}
+    assert isinstance(person["name"], str) and isinstance(person["age"], int)
+    streamed = client.chat.completions.create(**ask, response_format=schema, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == (
+        reply.message.content)
+    native = httpx.post(f"{tier.base_url}/generate", timeout=120, json={
+        "text": "The capital of France as JSON:", "sampling_params": {
+            "max_new_tokens": 60, "temperature": 0, "json_schema": json.dumps(PERSON)}})
+    assert set(json.loads(native.json()["text"])) == {"name", "age"}
+    loose = client.chat.completions.create(**ask, response_format={"type": "json_object"})
+    if loose.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(loose.choices[0].message.content), dict)
+    else:
+        assert loose.choices[0].message.content.lstrip().startswith("{")
+    with pytest.raises(openai.BadRequestError, match="Unsupported type") as refused:
+        client.chat.completions.create(**ask, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})
+    assert refused.value.body["param"] == "response_format"
 
 
 def test_openai_client_sees_errors_as_openai_errors(tier):

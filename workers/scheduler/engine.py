@@ -26,6 +26,7 @@ from workers.scheduler.batcher import Batcher, StepPlan
 from workers.scheduler.blocks import BlockAllocator
 from workers.scheduler.calibrate import choose_kernels, cpu_dtype
 from workers.scheduler.cuda_graphs import DecodeGraphs
+from workers.scheduler.grammar import Grammars
 from workers.scheduler.layers import Driver
 from workers.scheduler.model import LlamaModel, read_spec
 from workers.scheduler.pace import Pace, StepRecord
@@ -166,6 +167,7 @@ class Engine:
                                config.max_batch_tokens)
         self.sampler = Sampler()
         self.eos_token_ids = spec.eos_token_ids
+        self.grammars = Grammars(model_path, self.model.embed.shape[0], list(spec.eos_token_ids))
         self.max_context = min(spec.max_position, usable * config.block_size)
         self.arrivals = itertools.count()
         self.done_on_arrival: list[StepResult] = []  # nothing left to generate
@@ -205,10 +207,13 @@ class Engine:
         seed = random.getrandbits(63) if sampling.seed is None else sampling.seed % 2**63
         # a continuation's client has them already
         wants_prompt = sampling.prompt_logprobs is not None and not request.output_ids
+        grammar = (None if sampling.structure is None else
+                   self.grammars.matcher(sampling.structure, request.output_ids))
         self.batcher.add(Sequence(
             request.request_id, list(request.prompt_ids) + list(request.output_ids),
             len(request.prompt_ids), sampling, seed, next(self.arrivals),
-            stop_ids=frozenset(stop_ids), prompt_logprobs=[] if wants_prompt else None))
+            stop_ids=frozenset(stop_ids), prompt_logprobs=[] if wants_prompt else None,
+            grammar=grammar))
 
     def abort(self, request_id: str) -> bool:
         for result in self.done_on_arrival:
@@ -291,6 +296,8 @@ class Engine:
                 continue
             token_id, logprobs = next(picks)
             seq.token_ids.append(token_id)
+            if seq.grammar is not None:
+                seq.grammar.accept_token(token_id)
             finish = seq.finish_reason(self.max_context)
             if finish is not None:
                 self.batcher.finish(seq)

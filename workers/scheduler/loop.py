@@ -303,7 +303,7 @@ class Scheduler:
                                           list(submit.output_ids), submit.sampling))
         except PipelineError as error:
             self.failures.append(Failed(submit.request_id, submit.reply_to, error.code,
-                                        error.detail, submit.attempt))
+                                        error.detail, submit.attempt, param=error.param))
             self.to_ack.append(entry_id)
             return
         self.running[submit.request_id] = Running(submit, entry_id, list(submit.output_ids),

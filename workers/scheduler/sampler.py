@@ -10,6 +10,7 @@ import torch
 
 from pipeline.messages import TokenLogprob, TopLogprob
 from workers.scheduler import fused
+from workers.scheduler.grammar import constrain
 from workers.scheduler.sequence import Sequence
 
 M32 = 0xFFFFFFFF
@@ -45,6 +46,7 @@ class Sampler:
         """`logits` [B, V] fp32, one row per sequence; one host sync at the end."""
         raw = logits  # logprobs are the model's own, before bias, penalties and masks
         logits = self._mask_stops(_add_bias(logits, seqs), seqs)
+        logits = constrain(logits, [s.grammar for s in seqs])
         if any(_has_penalty(s) for s in seqs):
             logits = apply_penalties(logits, seqs)
         if all(s.sampling.temperature == 0 for s in seqs):
@@ -85,9 +87,10 @@ class Sampler:
 
 def plain_greedy(seqs: list[Sequence]) -> bool:
     """Whether every row's pick is the raw logits' argmax: greedy, no penalty, no
-    logit_bias, no stop token held back for min_tokens, no logprobs."""
+    logit_bias, no grammar, no stop token held back for min_tokens, no logprobs."""
     return all(s.sampling.temperature == 0 and not _has_penalty(s)
                and s.sampling.logprobs is None and not s.sampling.logit_bias
+               and s.grammar is None
                and not _holds_stops(s) for s in seqs)
 
 

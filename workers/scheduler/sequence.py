@@ -33,6 +33,7 @@ class Sequence:
     # Sampling.prompt_logprobs: each prompt token's (from the second on) as its
     # logits are computed; None when not wanted or once sent with the first token
     prompt_logprobs: list[TokenLogprob] | None = None
+    grammar: object = None  # an xgrammar matcher where Sampling.structure holds it
 
     @property
     def collects_prompt(self) -> bool:

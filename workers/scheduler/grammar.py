@@ -1,0 +1,96 @@
+# Structured output (response_format): a request's tokens held to JSON, or to what a
+# JSON schema admits, by xgrammar's matchers. Each step, a constrained row's logits
+# keep only the tokens its matcher allows next; each token picked is fed back to it.
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from pipeline.errors import InvalidRequest
+from pipeline.messages import Structure
+
+ANY_OBJECT = '{"type": "object"}'
+CACHED = 64  # compiled grammars kept, least recently used dropped
+# xgrammar's errors begin with a time and its C++ source's place: not the client's business
+SOURCE_PREFIX = re.compile(r"^\[[^]]*\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+class Grammars:
+    """Grammars compiled for one model's tokenizer (lazily: a tier that never gets a
+    response_format never loads xgrammar), cached by their source."""
+
+    def __init__(self, model_dir: Path, vocab_size: int, stop_ids: list[int]):
+        self.model_dir, self.vocab_size, self.stop_ids = model_dir, vocab_size, stop_ids
+        self.compiled: OrderedDict[Structure, object] = OrderedDict()
+        self._compiler = None
+
+    def matcher(self, structure: Structure, output_ids: list[int]):
+        """A matcher at the start of the output, moved past `output_ids` (a
+        continuation's tokens, already delivered); InvalidRequest for a bad schema."""
+        import xgrammar
+
+        matcher = xgrammar.GrammarMatcher(self._compile(structure))
+        for token_id in output_ids:
+            if not matcher.accept_token(token_id):
+                raise InvalidRequest("the delivered output does not follow response_format")
+        return matcher
+
+    def _compile(self, structure: Structure):
+        if structure in self.compiled:
+            self.compiled.move_to_end(structure)
+            return self.compiled[structure]
+        if structure.kind not in ("json_object", "json_schema"):
+            raise InvalidRequest(f"unknown structure {structure.kind!r}")
+        compiler = self.compiler()
+        try:
+            if structure.kind == "json_object":  # an object, any members (not any value)
+                grammar = compiler.compile_json_schema(ANY_OBJECT, strict_mode=False)
+            else:
+                grammar = compiler.compile_json_schema(structure.schema)
+        except (RuntimeError, ValueError) as error:  # xgrammar's word for a bad schema
+            reason = SOURCE_PREFIX.sub("", str(error).strip())
+            raise InvalidRequest(f"response_format's schema: {reason}",
+                                 param="response_format") from None
+        self.compiled[structure] = grammar
+        while len(self.compiled) > CACHED:
+            self.compiled.popitem(last=False)
+        return grammar
+
+    def compiler(self):
+        if self._compiler is None:
+            try:
+                import xgrammar
+            except ImportError:
+                raise InvalidRequest("response_format needs the xgrammar package on the "
+                                     "scheduler (`make install` adds it)") from None
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            info = xgrammar.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids)
+            self._compiler = xgrammar.GrammarCompiler(info)
+        return self._compiler
+
+
+def constrain(logits: torch.Tensor, matchers: list) -> torch.Tensor:
+    """Rows whose matcher is not None keep only the tokens it allows next (a copy
+    of `logits`, where any row is constrained)."""
+    rows = [row for row, matcher in enumerate(matchers) if matcher is not None]
+    if not rows:
+        return logits
+    import xgrammar
+
+    vocab = logits.shape[-1]
+    bitmask = xgrammar.allocate_token_bitmask(len(rows), vocab)
+    for i, row in enumerate(rows):
+        matchers[row].fill_next_token_bitmask(bitmask, i)
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).flatten(1)[:, :vocab].bool()
+    logits = logits.clone()
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+    return logits
