@@ -7,6 +7,7 @@ import json
 import os
 import time
 
+import msgspec
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -316,6 +317,10 @@ def test_a_json_schema_holds_the_output_and_a_continuation_resumes_inside_it(
     assert set(person) == {"name", "age"} and isinstance(person["age"], int)
     rest = run_all(engine, [EngineRequest("rest", ids, whole[:5], sampling)])["rest"]
     assert whole[:5] + rest == whole
+    # with ignore_eos the schema's end still ends it: nothing can follow
+    ignoring = run_all(engine, [EngineRequest("ignoring", ids, [], msgspec.structs.replace(
+        sampling, ignore_eos=True))])["ignoring"]
+    assert ignoring == whole
     wrong = tokenizer.encode("Hello")
     with pytest.raises(InvalidRequest, match="does not follow"):
         engine.add(EngineRequest("wrong", ids, wrong, sampling))

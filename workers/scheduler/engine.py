@@ -296,9 +296,11 @@ class Engine:
                 continue
             token_id, logprobs = next(picks)
             seq.token_ids.append(token_id)
+            finish = seq.finish_reason(self.max_context)
             if seq.grammar is not None:
                 seq.grammar.accept_token(token_id)
-            finish = seq.finish_reason(self.max_context)
+                if finish is None and seq.grammar.is_terminated():  # its stop token (ignore_eos)
+                    finish = "stop"
             if finish is not None:
                 self.batcher.finish(seq)
             prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None  # sent once
