@@ -17,6 +17,7 @@ from api.responses import Job, stream_chunks, whole_response
 from api.sampling import MAX_PROMPTS, check_prompt, structure_of, to_sampling
 from api.served import Served, served
 from api.streaming import EventStream, choice_events, collect, per_choice, started
+from api.tools import ToolCalls, tool_calls
 from pipeline.errors import InvalidRequest
 from pipeline.messages import Sampling
 
@@ -47,12 +48,16 @@ async def chat_completions(body: ChatRequest, request: Request, s: ServedDep):
         raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
     if not body.messages:
         raise InvalidRequest("messages must not be empty", param="messages")
-    prompt_ids = check_prompt(chat_prompt_ids(body.messages, s), s.limits, "messages")
+    calls = tool_calls(body)
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []] or None
+    prompt_ids = check_prompt(chat_prompt_ids(body.messages, s, tools=tools), s.limits,
+                              "messages")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    structure = calls.structure(body) if calls else structure_of(body.response_format)
     sampling = to_sampling(body, num_prompt_tokens=len(prompt_ids), limits=s.limits,
                            num_logprobs=num_logprobs, logprobs_param="top_logprobs",
-                           structure=structure_of(body.response_format))
-    job = _job(body, s, True, [prompt_ids], per_choice(sampling, body.n))
+                           structure=structure)
+    job = _job(body, s, True, [prompt_ids], per_choice(sampling, body.n), tool_calls=calls)
     return await _run(job, body.stream, request, s)
 
 
@@ -84,11 +89,12 @@ def _check_common(body: OpenAIRequest, s: Served) -> None:
         raise InvalidRequest(f"{field} is not supported by this server", param=field)
 
 
-def chat_prompt_ids(messages: list[ChatMessage], s: Served,
-                    add_generation_prompt: bool = True) -> list[int]:
-    """The chat template's text for these messages, tokenized."""
+def chat_prompt_ids(messages: list[ChatMessage], s: Served, add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+    """The chat template's text for these messages (and tools, where it shows them),
+    tokenized."""
     text = s.tokenizer.apply_chat_template(
-        [_template_message(m, i) for i, m in enumerate(messages)], add_generation_prompt)
+        [_template_message(m, i) for i, m in enumerate(messages)], add_generation_prompt, tools)
     return s.tokenizer.encode(text)
 
 
@@ -121,12 +127,14 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]], s: Served) -
 
 
 def _job(body: OpenAIRequest, s: Served, is_chat: bool, prompts: list[list[int]],
-         samplings: list[Sampling], echo: bool = False) -> Job:
+         samplings: list[Sampling], echo: bool = False,
+         tool_calls: ToolCalls | None = None) -> Job:
     prefix = "chatcmpl" if is_chat else "cmpl"
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     return Job(is_chat=is_chat, response_id=f"{prefix}-{uuid.uuid4().hex}",
                created=int(time.time()), model=s.model_name, prompts=prompts,
-               samplings=samplings, include_usage=include_usage, echo=echo)
+               samplings=samplings, include_usage=include_usage, echo=echo,
+               tool_calls=tool_calls)
 
 
 async def _run(job: Job, stream: bool, request: Request, s: Served):

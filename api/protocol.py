@@ -72,13 +72,29 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
 class ChatRequest(OpenAIRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # see api/tools.py
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -87,13 +103,6 @@ class ChatRequest(OpenAIRequest):
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return self
-
-    def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice"
-        return super().unsupported()
 
 
 class CompletionRequest(OpenAIRequest):

@@ -9,6 +9,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from api.streaming import Choice, Event, Run
+from api.tools import ToolCalls
 from pipeline.messages import Delta, Sampling, TokenLogprob
 from pipeline.tokenizer import Tokenizer
 
@@ -27,6 +28,7 @@ class Job:
     samplings: list[Sampling]  # one a choice: n for each prompt, in its order
     include_usage: bool = False
     echo: bool = False  # a completion's text (and logprobs) begin with its prompt's
+    tool_calls: ToolCalls | None = None  # a chat's output is a call (api/tools.py)
 
     @property
     def runs(self) -> list[Run]:
@@ -62,11 +64,15 @@ def _choice(job: Job, tokenizer: Tokenizer, index: int, choice: Choice) -> dict:
     if job.echo:
         return _echoed(job, tokenizer, index, choice, choice.text, choice.logprobs)
     logprobs = _logprobs(job, tokenizer, choice.logprobs, 0) if job.wants_logprobs else None
-    if job.is_chat:
+    finish = choice.finish
+    if job.tool_calls is not None:
+        message, finish = job.tool_calls.message(choice.text, finish)
+        content = {"message": message}
+    elif job.is_chat:
         content = {"message": {"role": "assistant", "content": choice.text}}
     else:
         content = {"text": choice.text}
-    return {"index": index, **content, "logprobs": logprobs, "finish_reason": choice.finish}
+    return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish}
 
 
 def _echoed(job: Job, tokenizer: Tokenizer, index: int, choice: Choice, text: str,
@@ -122,11 +128,24 @@ async def stream_chunks(job: Job, tokenizer: Tokenizer,
                                        delta.logprobs or [])
                 echoed[index] = len(chunk_choice["text"]) - len(delta.text)
                 yield job.envelope(is_chunk=True) | {"choices": [chunk_choice]}
+            elif job.tool_calls is not None:  # the call goes out whole, when it is made
+                if delta.finish is not None:
+                    yield job.envelope(is_chunk=True) | {"choices": [
+                        _call_chunk(job.tool_calls, index, choices[index])]}
             elif delta.text or delta.logprobs or delta.finish is not None:
                 chunk_choice = _chunk_choice(job, tokenizer, index, delta, text_offset)
                 yield job.envelope(is_chunk=True) | {"choices": [chunk_choice]}
     if job.include_usage:
         yield job.envelope(is_chunk=True) | {"choices": [], "usage": job.usage(choices)}
+
+
+def _call_chunk(calls: ToolCalls, index: int, choice: Choice) -> dict:
+    """A streamed choice's tool call, whole: its one delta (indexed, as deltas are)."""
+    message, finish = calls.message(choice.text, choice.finish)
+    delta = {"content": message["content"]}
+    if "tool_calls" in message:
+        delta["tool_calls"] = [{"index": 0, **call} for call in message["tool_calls"]]
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
 
 
 def _chunk_choice(job: Job, tokenizer: Tokenizer, index: int, delta: Delta,

@@ -64,13 +64,15 @@ class Tokenizer:
         env.globals["raise_exception"] = _raise
         return env.from_string(self.chat_template)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """`tools` go to a template that shows them (transformers' name); others ignore them."""
         if not self.chat_template:
             raise InvalidRequest("this model has no chat template: use /v1/completions")
         try:
             return self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=tools,
             )
         except jinja2.TemplateError as error:
             raise InvalidRequest(f"chat template failed: {error}") from error

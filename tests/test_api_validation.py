@@ -14,6 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from api.app import CONFIG_ENV, app_from_env, create_app
+from api.tools import ToolCalls
 from pipeline.config import ApiConfig, Config, RedisConfig
 from pipeline.config_io import config_from_json, config_to_json
 from pipeline.embedded_redis import EmbeddedRedis
@@ -188,6 +189,37 @@ async def test_a_response_format_of_the_wrong_shape_is_a_400(client, path, extra
     assert_openai_error(await client.post(path, json=body), 400, "invalid_request", param)
 
 
+F = {"type": "function", "function": {"name": "f"}}
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [F], "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [F], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice"),
+    ({"tools": [F], "tool_choice": "always"}, "tool_choice"),
+    ({"tools": [F, F], "tool_choice": "required"}, "tools"),
+    ({"tools": [F], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice"),
+    ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools[0].type"),
+])
+async def test_tool_calls_this_server_cannot_make_are_400s(client, extra, param):
+    body = {"messages": HELLO} | extra
+    assert_openai_error(await client.post(CHAT, json=body), 400, "invalid_request", param)
+
+
+def test_a_tool_call_cut_before_it_names_its_function_stays_text():
+    calls = ToolCalls(None)
+    message, finish = calls.message('{"name": "f", "argu', "length")
+    assert message == {"role": "assistant", "content": '{"name": "f", "argu'}
+    assert finish == "length"
+    message, finish = calls.message('{"name": "f", "arguments": {"x": 1}}', "stop")
+    assert finish == "tool_calls" and message["content"] is None
+    assert message["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    named, finish = ToolCalls("f").message('{"x": ', "length")
+    assert named["tool_calls"][0]["function"]["arguments"] == '{"x": ' and finish == "length"
+
+
 async def test_a_batched_prompt_over_the_context_names_its_place(client):
     response = await client.post(COMPLETIONS, json={"prompt": [[1] * 10, [1] * CONTEXT]})
     assert_openai_error(response, 400, "context_length_exceeded", "prompt[1]")
@@ -210,8 +242,7 @@ async def test_every_response_names_its_request(client, given, kept):
 
 
 @pytest.mark.parametrize(("path", "extra", "param"), [
-    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (CHAT, {"tool_choice": "required"}, "tool_choice"),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     (COMPLETIONS, {"suffix": "end"}, "suffix"),
     (COMPLETIONS, {"best_of": 3}, "best_of"),
 ])

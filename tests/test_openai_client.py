@@ -139,6 +139,43 @@ def test_response_format_holds_a_chat_to_json_and_to_a_schema(tier):
     assert refused.value.body["param"] == "response_format"
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+
+
+def test_a_required_or_named_tool_call_comes_back_as_tool_calls(tier):
+    """tool_choice naming a function, or "required": the reply is a call whose
+    arguments fit the function's parameters, streamed whole or not; "none" replies."""
+    client = openai.OpenAI(base_url=f"{tier.base_url}/v1", api_key="unused", timeout=120)
+    ask = {"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 60,
+           "tools": [WEATHER, ADD],
+           "messages": [{"role": "user", "content": "What is the weather in Paris?"}]}
+    named = client.chat.completions.create(**ask, tool_choice={
+        "type": "function", "function": {"name": "add"}}).choices[0]
+    [call] = named.message.tool_calls
+    assert named.finish_reason == "stop" and named.message.content is None
+    assert call.function.name == "add" and call.id.startswith("call_")
+    assert set(json.loads(call.function.arguments)) == {"a", "b"}
+    chosen = client.chat.completions.create(**ask, tool_choice="required").choices[0]
+    [call] = chosen.message.tool_calls
+    assert chosen.finish_reason == "tool_calls" and call.function.name in ("get_weather", "add")
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == ({"city"} if call.function.name == "get_weather" else {"a", "b"})
+    chunks = [c for c in client.chat.completions.create(**ask, tool_choice="required",
+                                                        stream=True) if c.choices]
+    [streamed] = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert (streamed.function.name, streamed.function.arguments) == (
+        call.function.name, call.function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    plain = client.chat.completions.create(**ask, tool_choice="none").choices[0]
+    assert plain.message.content and not plain.message.tool_calls
+
+
 def test_openai_client_sees_errors_as_openai_errors(tier):
     client = openai.OpenAI(base_url=f"{tier.base_url}/v1", api_key="unused", timeout=60)
     try:
