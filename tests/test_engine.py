@@ -321,6 +321,10 @@ def test_a_json_schema_holds_the_output_and_a_continuation_resumes_inside_it(
     ignoring = run_all(engine, [EngineRequest("ignoring", ids, [], msgspec.structs.replace(
         sampling, ignore_eos=True))])["ignoring"]
     assert ignoring == whole
+    # min_tokens cannot hold back the end of what a schema has made whole
+    held = run_all(engine, [EngineRequest("held", ids, [], msgspec.structs.replace(
+        sampling, min_tokens=len(whole) + 5))])["held"]
+    assert held == whole
     wrong = tokenizer.encode("Hello")
     with pytest.raises(InvalidRequest, match="does not follow"):
         engine.add(EngineRequest("wrong", ids, wrong, sampling))

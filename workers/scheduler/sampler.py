@@ -127,8 +127,10 @@ def _reaches_min_tokens(seq: Sequence) -> bool:
 
 
 def _holds_stops(seq: Sequence) -> bool:
-    """Whether its stop ids are masked out of this pick (min_tokens not reached)."""
-    return bool(seq.stop_ids) and not _reaches_min_tokens(seq)
+    """Whether its stop ids are masked out of this pick (min_tokens not reached). Not
+    under a grammar: it allows the stop token only once its output is whole, and
+    then nothing else."""
+    return bool(seq.stop_ids) and seq.grammar is None and not _reaches_min_tokens(seq)
 
 
 def _has_penalty(seq: Sequence) -> bool:
