@@ -11,7 +11,6 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Annotated
 
-import msgspec
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -62,12 +61,10 @@ async def generate(body: GenerateRequest, request: Request, s: ServedDep):
         prompt_ids = check_prompt(body.input_ids, s.limits, "input_ids")
     else:
         prompt_ids = check_prompt(s.tokenizer.encode(body.text or ""), s.limits, "text")
+    if body.return_logprob and body.logprob_start_len >= len(prompt_ids):
+        raise InvalidRequest(f"logprob_start_len must be below the prompt's "
+                             f"{len(prompt_ids)} tokens", param="logprob_start_len")
     sampling = _sampling(body, len(prompt_ids), s)
-    if body.return_logprob and body.logprob_start_len >= 0:
-        if body.logprob_start_len >= len(prompt_ids):
-            raise InvalidRequest(f"logprob_start_len must be below the prompt's "
-                                 f"{len(prompt_ids)} tokens", param="logprob_start_len")
-        sampling = msgspec.structs.replace(sampling, prompt_logprobs=body.top_logprobs_num)
     request_id = uuid.uuid4().hex
     response_id = body.rid or request_id
     events = choice_events(s.frontend, [(prompt_ids, sampling)], request_id,
@@ -87,7 +84,8 @@ def _sampling(body: GenerateRequest, num_prompt_tokens: int, s: Served) -> Sampl
             kind="json_schema", schema=json.dumps(_json_object(schema)))
         return to_sampling(body.sampling_params, num_prompt_tokens=num_prompt_tokens,
                            limits=s.limits, num_logprobs=num_logprobs,
-                           logprobs_param="top_logprobs_num", structure=structure)
+                           logprobs_param="top_logprobs_num", structure=structure,
+                           prompt_logprobs=body.logprob_start_len >= 0)
     except PipelineError as error:
         error.param = _native_name(error.param)
         raise
@@ -129,8 +127,7 @@ class Logprobs:
                                        for i in choice.logprobs]
         if self.start < 0 or choice.prompt_logprobs is None:
             return
-        prompt = [None, *choice.prompt_logprobs]  # the first has none
-        prompt = (prompt + [None] * len(prompt_ids))[self.start:len(prompt_ids)]
+        prompt = choice.prompt_entries(prompt_ids)[self.start:]  # the first has none
         meta["input_token_logprobs"] = [
             self.triple(token_id, None if i is None else i.logprob)
             for token_id, i in zip(prompt_ids[self.start:], prompt, strict=True)]

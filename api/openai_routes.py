@@ -9,7 +9,6 @@ import time
 import uuid
 from typing import Annotated
 
-import msgspec
 from fastapi import APIRouter, Depends, Request
 
 from api.protocol import ChatMessage, ChatRequest, CompletionRequest, ContentPart, OpenAIRequest
@@ -74,9 +73,7 @@ async def completions(body: CompletionRequest, request: Request, s: ServedDep):
     samplings = []
     for prompt_ids in prompts:  # each its own default max_tokens: the room its prompt leaves
         sampling = to_sampling(body, num_prompt_tokens=len(prompt_ids), limits=s.limits,
-                               num_logprobs=body.logprobs)
-        if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs too
-            sampling = msgspec.structs.replace(sampling, prompt_logprobs=body.logprobs)
+                               num_logprobs=body.logprobs, prompt_logprobs=body.echo)
         samplings += per_choice(sampling, body.n)
     job = _job(body, s, False, prompts, samplings, echo=body.echo)
     return await _run(job, body.stream, request, s)

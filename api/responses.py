@@ -84,26 +84,10 @@ def _echoed(job: Job, tokenizer: Tokenizer, index: int, choice: Choice, text: st
     body = {"index": index, "text": prompt_text + text, "logprobs": None,
             "finish_reason": choice.finish}
     if job.wants_logprobs:
-        prompt = _prompt_logprobs(tokenizer, prompt_ids, choice.prompt_logprobs or [])
+        prompt = _legacy_logprobs(tokenizer, prompt_ids, choice.prompt_entries(prompt_ids), 0)
         output = completion_logprobs(tokenizer, logprobs, len(prompt_text))
         body["logprobs"] = {key: prompt[key] + output[key] for key in output}
     return body
-
-
-def _prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int],
-                     logprobs: list[TokenLogprob]) -> dict:
-    """The legacy shape for an echoed prompt, from text offset 0: None for its first
-    token (and for any whose logprob did not come)."""
-    known = [None, *logprobs][:len(prompt_ids)]
-    known += [None] * (len(prompt_ids) - len(known))
-    tokens = [tokenizer.token_bytes_text(token_id) for token_id in prompt_ids]
-    offsets = [0, *itertools.accumulate(len(token) for token in tokens)][:-1]
-    top = [None if item is None else
-           {tokenizer.token_bytes_text(alt.token_id): alt.logprob for alt in item.top}
-           for item in known]
-    return {"tokens": tokens, "token_logprobs": [None if item is None else item.logprob
-                                                 for item in known],
-            "top_logprobs": top, "text_offset": offsets}
 
 
 async def stream_chunks(job: Job, tokenizer: Tokenizer,
@@ -180,12 +164,20 @@ def completion_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob],
                         text_offset: int) -> dict:
     """The legacy shape. text_offset counts characters of the tokens' own texts from
     `text_offset`, the length of the completion text before these tokens."""
-    tokens = [tokenizer.token_bytes_text(item.token_id) for item in logprobs]
-    offsets = []
-    for token in tokens:
-        offsets.append(text_offset)
-        text_offset += len(token)
-    top = [{tokenizer.token_bytes_text(alt.token_id): alt.logprob for alt in item.top}
-           for item in logprobs]
-    return {"tokens": tokens, "token_logprobs": [item.logprob for item in logprobs],
+    return _legacy_logprobs(tokenizer, [item.token_id for item in logprobs], logprobs,
+                            text_offset)
+
+
+def _legacy_logprobs(tokenizer: Tokenizer, token_ids: list[int],
+                     items: list[TokenLogprob | None], text_offset: int) -> dict:
+    """The legacy shape of `token_ids`, from `text_offset`; a None item (an echoed
+    prompt's first token) has no logprob and no alternatives."""
+    tokens = [tokenizer.token_bytes_text(token_id) for token_id in token_ids]
+    offsets = list(itertools.accumulate((len(token) for token in tokens[:-1]),
+                                        initial=text_offset))[:len(tokens)]
+    top = [None if item is None else
+           {tokenizer.token_bytes_text(alt.token_id): alt.logprob for alt in item.top}
+           for item in items]
+    return {"tokens": tokens,
+            "token_logprobs": [None if item is None else item.logprob for item in items],
             "top_logprobs": top, "text_offset": offsets}

@@ -30,7 +30,7 @@ class Limits:
 def to_sampling(
     fields: SamplingFields, *, num_prompt_tokens: int, limits: Limits,
     num_logprobs: int | None = None, logprobs_param: str = "logprobs",
-    structure: Structure | None = None,
+    structure: Structure | None = None, prompt_logprobs: bool = False,
 ) -> Sampling:
     """Validate and translate. Without max_tokens a request may fill the context, but
     gets at most DEFAULT_MAX_TOKENS (1024) new tokens: a forgotten limit should not hold
@@ -65,6 +65,8 @@ def to_sampling(
         repetition_penalty=fields.repetition_penalty,
         frequency_penalty=fields.frequency_penalty, presence_penalty=fields.presence_penalty,
         logprobs=num_logprobs, skip_special_tokens=fields.skip_special_tokens,
+        # the prompt's tokens' too, with as many alternatives
+        prompt_logprobs=num_logprobs if prompt_logprobs else None,
         logit_bias=_logit_bias(fields.logit_bias or {}, limits), structure=structure,
     )
 

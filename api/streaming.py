@@ -41,6 +41,12 @@ class Choice:
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
 
+    def prompt_entries(self, prompt_ids: list[int]) -> list[TokenLogprob | None]:
+        """One a prompt token: None for the first (nothing comes before it) and for
+        any whose logprob did not come."""
+        known = [None, *(self.prompt_logprobs or [])][:len(prompt_ids)]
+        return known + [None] * (len(prompt_ids) - len(known))
+
 
 def per_choice(sampling: Sampling, n: int) -> list[Sampling]:
     """n independent runs; with a seed, choice i gets seed + i so they differ reproducibly."""
