@@ -62,7 +62,7 @@ def tool_calls(body: ChatRequest) -> ToolCalls | None:
         return None
     if not body.tools:
         raise InvalidRequest("tool_choice needs tools", param="tool_choice")
-    if response_format_set(body):
+    if body.response_format not in (None, {"type": "text"}):
         raise InvalidRequest("give tool_choice or response_format, not both", param="tool_choice")
     names = [tool.function.name for tool in body.tools]
     if len(set(names)) != len(names):
@@ -79,7 +79,3 @@ def tool_calls(body: ChatRequest) -> ToolCalls | None:
                              '{"type": "function", "function": {"name": one of the tools}}',
                              param="tool_choice")
     return ToolCalls(name)
-
-
-def response_format_set(body: ChatRequest) -> bool:
-    return body.response_format not in (None, {"type": "text"})
