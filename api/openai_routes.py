@@ -11,7 +11,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 
-from api.protocol import ChatMessage, ChatRequest, CompletionRequest, ContentPart, OpenAIRequest
+from api.chat_prompt import chat_prompt_ids
+from api.protocol import ChatRequest, CompletionRequest, OpenAIRequest
 from api.responses import Job, stream_chunks, whole_response
 from api.sampling import MAX_PROMPTS, check_prompt, structure_of, to_sampling
 from api.served import Served, served
@@ -45,14 +46,12 @@ async def chat_completions(body: ChatRequest, request: Request, s: ServedDep):
     _check_common(body, s)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-    if not body.messages:
-        raise InvalidRequest("messages must not be empty", param="messages")
-    calls = tool_calls(body)
-    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []] or None
-    prompt_ids = check_prompt(chat_prompt_ids(body.messages, s, tools=tools), s.limits,
-                              "messages")
+    calls = tool_calls(body, s.tokenizer)
+    offered = [tool.model_dump(exclude_none=True) for tool in body.tools or []] if calls else None
+    prompt_ids = check_prompt(chat_prompt_ids(body.messages, s.tokenizer, tools=offered),
+                              s.limits, "messages")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    structure = calls.structure(body) if calls else structure_of(body.response_format)
+    structure = calls.structure() if calls else structure_of(body.response_format)
     sampling = to_sampling(body, num_prompt_tokens=len(prompt_ids), limits=s.limits,
                            num_logprobs=num_logprobs, logprobs_param="top_logprobs",
                            structure=structure)
@@ -84,34 +83,6 @@ def _check_common(body: OpenAIRequest, s: Served) -> None:
     field = body.unsupported()
     if field is not None:
         raise InvalidRequest(f"{field} is not supported by this server", param=field)
-
-
-def chat_prompt_ids(messages: list[ChatMessage], s: Served, add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
-    """The chat template's text for these messages (and tools, where it shows them),
-    tokenized."""
-    text = s.tokenizer.apply_chat_template(
-        [_template_message(m, i) for i, m in enumerate(messages)], add_generation_prompt, tools)
-    return s.tokenizer.encode(text)
-
-
-def _template_message(message: ChatMessage, index: int) -> dict:
-    content = message.content
-    if not isinstance(content, str):
-        content = "\n".join(_part_text(part, f"messages[{index}].content[{j}]")
-                            for j, part in enumerate(content))
-    role = "system" if message.role == "developer" else message.role  # OpenAI's newer name
-    return {"role": role, "content": content} | ({"name": message.name} if message.name else {})
-
-
-def _part_text(part: ContentPart, param: str) -> str:
-    # parts are joined by newlines, as vLLM does for text-only models
-    if part.type != "text":
-        raise InvalidRequest(f"content parts of type {part.type!r} are not supported: "
-                             "this model reads text", param=f"{param}.type")
-    if part.text is None:
-        raise InvalidRequest("a text part needs its text", param=f"{param}.text")
-    return part.text
 
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]], s: Served) -> list[list[int]]:

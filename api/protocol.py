@@ -64,12 +64,31 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made, sent back in a later turn's history."""
+
+    model_config = ConfigDict(strict=True)
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True)
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None  # None: an assistant's tool calls alone
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
 
 class FunctionSpec(BaseModel):
@@ -95,6 +114,7 @@ class ChatRequest(OpenAIRequest):
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None  # see api/tools.py
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -157,6 +177,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True  # messages: end with the assistant's turn opened
+    tools: list[Tool] | None = None  # messages: the tools offered, as a chat shows them
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

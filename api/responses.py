@@ -96,6 +96,7 @@ async def stream_chunks(job: Job, tokenizer: Tokenizer,
     role, an echo leads each choice's first chunk with its prompt, and `include_usage`
     adds a last chunk with usage and no choices."""
     choices = [Choice() for _ in job.samplings]
+    readers = [job.tool_calls.reader() for _ in choices] if job.tool_calls else []
     echoed = [0] * len(choices)  # the length of each choice's echoed prompt text
     async with aclosing(events):
         if job.is_chat:
@@ -112,24 +113,18 @@ async def stream_chunks(job: Job, tokenizer: Tokenizer,
                                        delta.logprobs or [])
                 echoed[index] = len(chunk_choice["text"]) - len(delta.text)
                 yield job.envelope(is_chunk=True) | {"choices": [chunk_choice]}
-            elif job.tool_calls is not None:  # the call goes out whole, when it is made
-                if delta.finish is not None:
+            elif readers:  # content and calls, each as soon as it is known to be one
+                said = readers[index].read(delta.text, last=delta.finish is not None)
+                if said.delta() or delta.finish is not None:
+                    finish = job.tool_calls.finish_reason(readers[index], delta.finish)
                     yield job.envelope(is_chunk=True) | {"choices": [
-                        _call_chunk(job.tool_calls, index, choices[index])]}
+                        {"index": index, "delta": said.delta(), "logprobs": None,
+                         "finish_reason": finish}]}
             elif delta.text or delta.logprobs or delta.finish is not None:
                 chunk_choice = _chunk_choice(job, tokenizer, index, delta, text_offset)
                 yield job.envelope(is_chunk=True) | {"choices": [chunk_choice]}
     if job.include_usage:
         yield job.envelope(is_chunk=True) | {"choices": [], "usage": job.usage(choices)}
-
-
-def _call_chunk(calls: ToolCalls, index: int, choice: Choice) -> dict:
-    """A streamed choice's tool call, whole: its one delta (indexed, as deltas are)."""
-    message, finish = calls.message(choice.text, choice.finish)
-    delta = {"content": message["content"]}
-    if "tool_calls" in message:
-        delta["tool_calls"] = [{"index": 0, **call} for call in message["tool_calls"]]
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
 
 
 def _chunk_choice(job: Job, tokenizer: Tokenizer, index: int, delta: Delta,

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends
 
-from api.openai_routes import chat_prompt_ids
+from api.chat_prompt import chat_prompt_ids
 from api.protocol import DetokenizeRequest, TokenizeRequest
 from api.sampling import check_token_ids
 from api.served import Served, served
@@ -20,7 +20,8 @@ ServedDep = Annotated[Served, Depends(served)]
 async def tokenize(body: TokenizeRequest, s: ServedDep) -> dict:
     s.check_model(body.model)
     if body.messages is not None:
-        ids = chat_prompt_ids(body.messages, s, body.add_generation_prompt)
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []] or None
+        ids = chat_prompt_ids(body.messages, s.tokenizer, body.add_generation_prompt, tools)
     else:
         ids = s.tokenizer.encode(body.prompt or "")
     return {"count": len(ids), "max_model_len": s.limits.context_len, "tokens": ids}

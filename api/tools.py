@@ -1,59 +1,74 @@
-# Tool calls a chat must make (tool_choice "required" or a named function), made by
-# structured output: the reply is held to the function's parameters schema (or, for
-# "required", to {"name", "arguments"} of one of the tools) and returned as a
-# tool_calls message. "auto" needs a tool-call parser per model, which we lack.
+# Tool calls. The model is asked for them in Hermes's format (api/tool_reader.py), and
+# structured output holds it to that format and each function's parameters schema:
+# - tool_choice naming a function: the output is that function's arguments alone;
+# - "required": one or more calls and nothing else;
+# - "auto": text, with calls where the model makes them.
+# A chat template that shows tools itself gets them (Qwen's asks for this very format);
+# for one that ignores them, a system message describes the tools and the format.
 
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 
 from api.protocol import ChatRequest
+from api.tool_reader import OPEN, CallReader
 from pipeline.errors import InvalidRequest
 from pipeline.messages import Structure
+from pipeline.tokenizer import Tokenizer
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+CALL_END = "}\n</tool_call>"
 
 
 @dataclass(frozen=True)
 class ToolCalls:
-    """How a chat's output becomes its tool call: `name` is the function chosen by
-    tool_choice, or None where the output names one of the tools itself."""
+    """What a chat's tools ask of its output. `name`: the function tool_choice names
+    (the output is its arguments); else `required`, or "auto"."""
 
-    name: str | None
+    tools: tuple[tuple[str, str], ...]  # (name, parameters schema as JSON text)
+    name: str | None = None
+    required: bool = False
+    parallel: bool = True
 
-    def structure(self, body: ChatRequest) -> Structure:
-        parameters = {tool.function.name: tool.function.parameters or EMPTY_PARAMETERS
-                      for tool in body.tools or []}
+    def structure(self) -> Structure:
         if self.name is not None:
-            schema = parameters[self.name]
+            return Structure(kind="json_schema", schema=dict(self.tools)[self.name])
+        tags = [{"type": "tag", "begin": f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": ',
+                 "content": {"type": "json_schema", "json_schema": json.loads(parameters)},
+                 "end": CALL_END} for name, parameters in self.tools]
+        stop_after_first = not self.parallel
+        if self.required:  # calls, one a line, nothing else
+            form = {"type": "tags_with_separator", "tags": tags, "separator": "\n",
+                    "at_least_one": True, "stop_after_first": stop_after_first}
         else:
-            schema = {"anyOf": [
-                {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
-                 "required": ["name", "arguments"], "additionalProperties": False}
-                for name, params in parameters.items()]}
-        return Structure(kind="json_schema", schema=json.dumps(schema))
+            form = {"type": "triggered_tags", "triggers": [OPEN], "tags": tags,
+                    "stop_after_first": stop_after_first}
+        return Structure(kind="structural_tag",
+                         schema=json.dumps({"type": "structural_tag", "format": form}))
+
+    def reader(self) -> CallReader:
+        return CallReader(self.name)
+
+    def finish_reason(self, reader: CallReader, finish: str | None) -> str | None:
+        # OpenAI's: a named function's call ends with "stop", a chosen one's "tool_calls"
+        if finish == "stop" and self.name is None and reader.calls:
+            return "tool_calls"
+        return finish
 
     def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
-        """The assistant message for the output `text`, and its finish_reason: a cut
-        output (length) that names no function stays text."""
-        name, arguments = self.name, text
-        if name is None:
-            try:
-                call = json.loads(text)
-                name, arguments = call["name"], json.dumps(call["arguments"])
-            except (ValueError, KeyError, TypeError):
-                return {"role": "assistant", "content": text}, finish
-        tool_call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                     "function": {"name": name, "arguments": arguments}}
-        # OpenAI's: a named function's call ends with "stop", a chosen one's "tool_calls"
-        if finish == "stop" and self.name is None:
-            finish = "tool_calls"
-        return {"role": "assistant", "content": None, "tool_calls": [tool_call]}, finish
+        """The assistant message for a whole output `text`, and its finish_reason."""
+        reader = self.reader()
+        reader.read(text, last=True)
+        message = {"role": "assistant", "content": reader.content or None}
+        if reader.calls:
+            message["tool_calls"] = reader.calls
+        else:
+            message["content"] = reader.content
+        return message, self.finish_reason(reader, finish)
 
 
-def tool_calls(body: ChatRequest) -> ToolCalls | None:
+def tool_calls(body: ChatRequest, tokenizer: Tokenizer) -> ToolCalls | None:
     """What tools and tool_choice ask; None: an ordinary reply."""
     choice = body.tool_choice
     if choice is None:  # OpenAI's default: auto where there are tools
@@ -67,15 +82,36 @@ def tool_calls(body: ChatRequest) -> ToolCalls | None:
     names = [tool.function.name for tool in body.tools]
     if len(set(names)) != len(names):
         raise InvalidRequest("tools' function names must differ", param="tools")
-    if choice == "required":
-        return ToolCalls(None)
-    if choice == "auto":
-        raise InvalidRequest('tool_choice "auto" is not supported (no tool-call parser for '
-                             'this model): use "required" or name a function',
-                             param="tool_choice")
+    tools = tuple((tool.function.name, json.dumps(tool.function.parameters or EMPTY_PARAMETERS))
+                  for tool in body.tools)
+    parallel = body.parallel_tool_calls
+    if choice in ("auto", "required"):
+        # "required" holds any model to the format; "auto" needs one that knows it
+        if choice == "auto" and shows_tools(tokenizer) and OPEN not in tokenizer.chat_template:
+            raise InvalidRequest('tool_choice "auto" is not supported for this model: its chat '
+                                 "template asks for tool calls in a format this server does "
+                                 'not read; use "required" or name a function',
+                                 param="tool_choice")
+        return ToolCalls(tools, required=choice == "required", parallel=parallel)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or name not in names:
-        raise InvalidRequest('tool_choice must be "none", "required", or '
+        raise InvalidRequest('tool_choice must be "none", "auto", "required", or '
                              '{"type": "function", "function": {"name": one of the tools}}',
                              param="tool_choice")
-    return ToolCalls(name)
+    return ToolCalls(tools, name=name, parallel=parallel)
+
+
+def shows_tools(tokenizer: Tokenizer) -> bool:
+    """Whether the model's chat template renders the tools it is given."""
+    return "tools" in (tokenizer.chat_template or "")
+
+
+def tools_message(tools: list[dict]) -> str:
+    """A system message's text that tells a model whose template ignores tools what
+    they are and how to call them."""
+    lines = "\n".join(json.dumps(tool) for tool in tools)
+    return ("# Tools\n\nYou may call one or more of these functions to answer the user. "
+            f"Their signatures, one a line, in <tools></tools>:\n<tools>\n{lines}\n</tools>\n\n"
+            "To call one, reply with its name and arguments as JSON in <tool_call></tool_call>:"
+            f'\n{OPEN}\n{{"name": <function name>, "arguments": <arguments object>}}\n'
+            "</tool_call>")

@@ -11,10 +11,10 @@ from msgspec import Struct
 
 
 class Structure(Struct, frozen=True, kw_only=True):
-    """What the output must be (response_format): any JSON object, or JSON that a
-    schema admits (`schema`: the schema as JSON text)."""
+    """What the output must be (response_format, tool calls): any JSON object, JSON
+    that a schema admits, or a structural tag (`schema`: the schema or tag as JSON text)."""
 
-    kind: str  # "json_object" | "json_schema"
+    kind: str  # "json_object" | "json_schema" | "structural_tag" (xgrammar's, as JSON)
     schema: str = ""
 
 

@@ -14,7 +14,6 @@ import pytest
 import redis.asyncio as aioredis
 
 from api.app import CONFIG_ENV, app_from_env, create_app
-from api.tools import ToolCalls
 from pipeline.config import ApiConfig, Config, RedisConfig
 from pipeline.config_io import config_from_json, config_to_json
 from pipeline.embedded_redis import EmbeddedRedis
@@ -194,7 +193,6 @@ F = {"type": "function", "function": {"name": "f"}}
 
 @pytest.mark.parametrize(("extra", "param"), [
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [F], "tool_choice": "auto"}, "tool_choice"),
     ({"tools": [F], "tool_choice": {"type": "function", "function": {"name": "g"}}},
      "tool_choice"),
     ({"tools": [F], "tool_choice": "always"}, "tool_choice"),
@@ -206,18 +204,6 @@ F = {"type": "function", "function": {"name": "f"}}
 async def test_tool_calls_this_server_cannot_make_are_400s(client, extra, param):
     body = {"messages": HELLO} | extra
     assert_openai_error(await client.post(CHAT, json=body), 400, "invalid_request", param)
-
-
-def test_a_tool_call_cut_before_it_names_its_function_stays_text():
-    calls = ToolCalls(None)
-    message, finish = calls.message('{"name": "f", "argu', "length")
-    assert message == {"role": "assistant", "content": '{"name": "f", "argu'}
-    assert finish == "length"
-    message, finish = calls.message('{"name": "f", "arguments": {"x": 1}}', "stop")
-    assert finish == "tool_calls" and message["content"] is None
-    assert message["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
-    named, finish = ToolCalls("f").message('{"x": ', "length")
-    assert named["tool_calls"][0]["function"]["arguments"] == '{"x": ' and finish == "length"
 
 
 async def test_a_batched_prompt_over_the_context_names_its_place(client):
@@ -242,7 +228,6 @@ async def test_every_response_names_its_request(client, given, kept):
 
 
 @pytest.mark.parametrize(("path", "extra", "param"), [
-    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     (COMPLETIONS, {"suffix": "end"}, "suffix"),
     (COMPLETIONS, {"best_of": 3}, "best_of"),
 ])

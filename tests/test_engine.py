@@ -331,6 +331,13 @@ def test_a_json_schema_holds_the_output_and_a_continuation_resumes_inside_it(
     with pytest.raises(InvalidRequest, match="schema: Unsupported type"):
         engine.add(EngineRequest("bad", ids, [], Sampling(structure=Structure(
             kind="json_schema", schema='{"type": "nonsense"}'))))
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<call>", "end": "</call>",
+                                                "content": {"type": "json_schema",
+                                                            "json_schema": {"type": "nonsense"}}}}
+    with pytest.raises(InvalidRequest, match="a tool's parameters") as refused:
+        engine.add(EngineRequest("bad tool", ids, [], Sampling(structure=Structure(
+            kind="structural_tag", schema=json.dumps(tag)))))
+    assert refused.value.param == "tools"
 
 
 def test_greedy_picks_in_the_lm_heads_kernel_equal_the_samplers(model_files, prompt_ids):

@@ -148,32 +148,76 @@ ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "required": ["a", "b"], "additionalProperties": False}}}
 
 
+def streamed_calls(chunks) -> list[tuple[str, str]]:
+    """(name, arguments) of each call, assembled from its streamed pieces as a client does."""
+    calls: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for piece in chunk.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(piece.index, ["", ""])
+            call[0] += piece.function.name or ""
+            call[1] += piece.function.arguments or ""
+    return [tuple(call) for call in calls.values()]
+
+
 def test_a_required_or_named_tool_call_comes_back_as_tool_calls(tier):
     """tool_choice naming a function, or "required": the reply is a call whose
-    arguments fit the function's parameters, streamed whole or not; "none" replies."""
+    arguments fit the function's parameters, streamed piece by piece or whole; "none"
+    replies."""
     client = openai.OpenAI(base_url=f"{tier.base_url}/v1", api_key="unused", timeout=120)
     ask = {"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 60,
            "tools": [WEATHER, ADD],
            "messages": [{"role": "user", "content": "What is the weather in Paris?"}]}
-    named = client.chat.completions.create(**ask, tool_choice={
-        "type": "function", "function": {"name": "add"}}).choices[0]
+    add = {"type": "function", "function": {"name": "add"}}
+    named = client.chat.completions.create(**ask, tool_choice=add).choices[0]
     [call] = named.message.tool_calls
     assert named.finish_reason == "stop" and named.message.content is None
     assert call.function.name == "add" and call.id.startswith("call_")
     assert set(json.loads(call.function.arguments)) == {"a", "b"}
-    chosen = client.chat.completions.create(**ask, tool_choice="required").choices[0]
-    [call] = chosen.message.tool_calls
-    assert chosen.finish_reason == "tool_calls" and call.function.name in ("get_weather", "add")
-    arguments = json.loads(call.function.arguments)
-    assert set(arguments) == ({"city"} if call.function.name == "get_weather" else {"a", "b"})
-    chunks = [c for c in client.chat.completions.create(**ask, tool_choice="required",
-                                                        stream=True) if c.choices]
-    [streamed] = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
-    assert (streamed.function.name, streamed.function.arguments) == (
-        call.function.name, call.function.arguments)
+    chunks = [c for c in client.chat.completions.create(**ask, tool_choice=add, stream=True)
+              if c.choices]
+    assert streamed_calls(chunks) == [("add", call.function.arguments)]
+    assert sum(bool(c.choices[0].delta.tool_calls) for c in chunks) > 2  # as they came
+    one = ask | {"tool_choice": "required", "parallel_tool_calls": False}
+    chosen = client.chat.completions.create(**one).choices[0]
+    [(name, arguments)] = [(c.function.name, c.function.arguments)
+                           for c in chosen.message.tool_calls]
+    assert chosen.finish_reason == "tool_calls" and chosen.message.content is None
+    keys = {"city"} if name == "get_weather" else {"a", "b"}
+    assert name in ("get_weather", "add") and set(json.loads(arguments)) == keys
+    chunks = [c for c in client.chat.completions.create(**one, stream=True) if c.choices]
+    assert streamed_calls(chunks) == [(name, arguments)]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # parallel calls allowed (the default): this small model goes on calling until cut
+    several = client.chat.completions.create(**ask, tool_choice="required").choices[0]
+    assert several.message.tool_calls[0].function.arguments == arguments
     plain = client.chat.completions.create(**ask, tool_choice="none").choices[0]
     assert plain.message.content and not plain.message.tool_calls
+
+
+def test_a_tool_loop_runs_to_an_answer(tier):
+    """The agent loop: "auto" (the default with tools) lets the model answer or call;
+    the call and its result go back as history, and the model answers from them."""
+    client = openai.OpenAI(base_url=f"{tier.base_url}/v1", api_key="unused", timeout=120)
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    auto = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=question, tools=[WEATHER], temperature=0,
+        max_tokens=40).choices[0]
+    assert auto.finish_reason in ("stop", "tool_calls", "length")
+    assert (auto.finish_reason == "tool_calls") == bool(auto.message.tool_calls)
+    assert auto.message.content or auto.message.tool_calls
+    for call in auto.message.tool_calls or []:
+        assert call.function.name == "get_weather" and "city" in json.loads(
+            call.function.arguments)
+    history = [*question, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 degrees Celsius."}]
+    answer = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=history, tools=[WEATHER],
+        tool_choice="none", temperature=0, max_tokens=30)
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    counted = httpx.post(f"{tier.base_url}/tokenize", json={"messages": history}).json()
+    assert answer.usage.prompt_tokens == counted["count"]  # "none": the tools not shown
 
 
 def test_openai_client_sees_errors_as_openai_errors(tier):

@@ -1,6 +1,7 @@
-# Structured output (response_format): a request's tokens held to JSON, or to what a
-# JSON schema admits, by xgrammar's matchers. Each step, a constrained row's logits
-# keep only the tokens its matcher allows next; each token picked is fed back to it.
+# Structured output (response_format, tool calls): a request's tokens held to JSON, to
+# what a JSON schema admits, or to a structural tag (text and tagged calls), by xgrammar's
+# matchers. Each step, a constrained row's logits keep only the tokens its matcher allows
+# next; each token picked is fed back to it.
 
 from __future__ import annotations
 
@@ -43,16 +44,20 @@ class Grammars:
         if structure in self.compiled:
             self.compiled.move_to_end(structure)
             return self.compiled[structure]
-        if structure.kind not in ("json_object", "json_schema"):
+        if structure.kind not in ("json_object", "json_schema", "structural_tag"):
             raise InvalidRequest(f"unknown structure {structure.kind!r}")
         compiler = self.compiler()
         try:
             if structure.kind == "json_object":  # an object, any members (not any value)
                 grammar = compiler.compile_json_schema(ANY_OBJECT, strict_mode=False)
-            else:
+            elif structure.kind == "json_schema":
                 grammar = compiler.compile_json_schema(structure.schema)
+            else:  # tool calls (api/tools.py): text and tagged calls
+                grammar = compiler.compile_structural_tag(structure.schema)
         except (RuntimeError, ValueError) as error:  # xgrammar's word for a bad schema
             reason = SOURCE_PREFIX.sub("", str(error).strip())
+            if structure.kind == "structural_tag":
+                raise InvalidRequest(f"a tool's parameters: {reason}", param="tools") from None
             raise InvalidRequest(f"response_format's schema: {reason}",
                                  param="response_format") from None
         self.compiled[structure] = grammar
