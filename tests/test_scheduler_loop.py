@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
+
 from pipeline.config import Config, RedisConfig, SchedulerConfig
-from pipeline.messages import Sampling, Submit
+from pipeline.messages import FIELD, Sampling, Structure, Submit, tokens_decoder
 from pipeline.streams import Keys, StreamClient
 from pipeline.tokenizer import Tokenizer
 from workers.scheduler.engine import Engine
@@ -61,3 +64,67 @@ def test_a_request_arriving_during_a_step_joins_right_after_it(redis_url, prefix
     # the check means something only if the step outlasted the arrival and a pull after it
     assert step_s > arrived_s + 2 * PULL_EVERY_S, (arrived_s, step_s)
     assert joined
+
+
+def slow_schema(num_properties: int) -> str:
+    """A schema whose grammar takes a while to compile: many patterned strings (50:
+    ~1 s on a Zen 4 core)."""
+    return json.dumps({"type": "object", "required": [f"p{i}" for i in range(num_properties)],
+                       "properties": {f"p{i}": {"type": "string",
+                                                "pattern": f"[a-z]{{{i % 7 + 1},{i % 13 + 20}}}x"}
+                                      for i in range(num_properties)}})
+
+
+def test_a_grammar_compiles_beside_the_steps_and_within_its_limit(redis_url, prefix, model_files):
+    """A structured request whose grammar takes a while to compile waits for it on its
+    own thread: a plain request that came after it runs to its end meanwhile. Once
+    compiled it runs; a grammar that outlasts the limit is refused, naming its field."""
+    config = Config(model=str(model_files.path), redis=RedisConfig(
+        url=redis_url, prefix=prefix, heartbeat_s=600.0, alive_ttl_s=1800.0))
+    engine = Engine(model_files.path, SchedulerConfig())
+    keys, client = Keys(prefix), StreamClient(redis_url)
+    engine.grammars.compiler()  # the tokenizer's load, out of the way
+
+    def structured(request_id: str, schema: str) -> Submit:
+        sampling = Sampling(max_tokens=3, structure=Structure(kind="json_schema", schema=schema))
+        return msgspec.structs.replace(submit(request_id, 20), sampling=sampling)
+
+    async def steps_while(scheduler: Scheduler, going) -> None:
+        for _ in range(3000):  # a hang fails here, not at the suite's timeout
+            if not going():
+                return
+            await scheduler.step()
+        raise AssertionError("the scheduler never got there")
+
+    async def scenario(scheduler: Scheduler) -> tuple[bool, list, list]:
+        try:
+            await scheduler.join()
+            await client.add(keys.requests, structured("slow", slow_schema(50)))
+            await client.add(keys.requests, submit("plain", 20))
+            await steps_while(scheduler, lambda: "plain" in scheduler.running
+                              or not scheduler.running)
+            overtaken = "slow" in scheduler.compiling
+            await steps_while(scheduler, lambda: scheduler.running)
+            scheduler.compile_limit_s = 0.05
+            await client.add(keys.requests, structured("slower", slow_schema(60)))
+            await steps_while(scheduler, lambda: not scheduler.running)
+            await steps_while(scheduler, lambda: scheduler.running)
+            await scheduler.exchange(0)
+            entries = await client.redis.xrange(keys.tokens)
+            batches = [tokens_decoder.decode(fields[FIELD]) for _, fields in entries]
+            return (overtaken, [f for b in batches for f in b.failures],
+                    [o for b in batches for o in b.outputs])
+        finally:
+            await client.close()
+            await scheduler.client.close()
+
+    with ThreadPoolExecutor(1) as thread:
+        scheduler = Scheduler(config, engine, Tokenizer(model_files.path), thread)
+        overtaken, failures, outputs = asyncio.run(scenario(scheduler))
+    assert overtaken
+    assert {(o.request_id, o.finish) for o in outputs if o.finish} == {
+        ("plain", "length"), ("slow", "length")}
+    [failed] = failures
+    assert (failed.request_id, failed.code, failed.param) == (
+        "slower", "invalid_request", "response_format")
+    assert "did not compile within 0.05 s" in failed.detail

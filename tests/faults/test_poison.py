@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from pipeline.messages import (
     FIELD,
     Sampling,
+    Structure,
     Submit,
     control_decoder,
     encode,
@@ -94,10 +95,17 @@ def _stand_in_frontend(tier, name: str) -> tuple[redis.Redis, Keys, str]:
     ([1, 2], Sampling(max_tokens=4, logit_bias={10**9: 5.0})),
     ([1, 2], Sampling(max_tokens=4, logit_bias={7: float("nan")})),
     ([1, 2], Sampling(max_tokens=4, prompt_logprobs=10**6)),
-], ids=["prompt", "stop_token_ids", "logit_bias", "nan_bias", "prompt_logprobs"])
+    ([1, 2], Sampling(max_tokens=4, structure=Structure(kind="regex", schema="a+"))),
+    ([1, 2], Sampling(max_tokens=4, structure=Structure(kind="json_schema", schema="{no"))),
+    ([1, 2], Sampling(max_tokens=4, structure=Structure(kind="structural_tag",
+                                                         schema='{"format": 5}'))),
+    ([1, 2], Sampling(max_tokens=4, structure=Structure(kind="structural_tag", schema="[1]"))),
+], ids=["prompt", "stop_token_ids", "logit_bias", "nan_bias", "prompt_logprobs",
+        "structure_kind", "schema", "tag", "tag_shape"])
 def test_an_impossible_request_written_straight_to_redis_fails_back_to_its_sender(
         tier, prompt_ids, sampling):
-    """Token ids a step would index the logits with, checked before it runs."""
+    """Token ids a step would index the logits with, checked before it runs; a
+    structure its grammar cannot be made from."""
     name = f"test-sender-{uuid.uuid4().hex[:8]}"  # a reply stream and request id a case
     client, keys, reply_to = _stand_in_frontend(tier, name)
     bad = Submit(request_id=name, reply_to=reply_to, prompt_ids=prompt_ids, sampling=sampling)

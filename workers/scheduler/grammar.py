@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import re
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -28,6 +29,7 @@ class Grammars:
         self.model_dir, self.vocab_size, self.stop_ids = model_dir, vocab_size, stop_ids
         self.compiled: OrderedDict[Structure, object] = OrderedDict()
         self._compiler = None
+        self._compiler_made = threading.Lock()  # the grammar thread's, or a step's
 
     def matcher(self, structure: Structure, output_ids: list[int]):
         """A matcher at the start of the output, moved past `output_ids` (a
@@ -40,32 +42,44 @@ class Grammars:
                 raise InvalidRequest("the delivered output does not follow response_format")
         return matcher
 
+    def ready(self, structure: Structure) -> bool:
+        return structure in self.compiled
+
     def _compile(self, structure: Structure):
         if structure in self.compiled:
             self.compiled.move_to_end(structure)
             return self.compiled[structure]
+        return self.keep(structure, self.compile(structure))
+
+    def compile(self, structure: Structure):
+        """The grammar for `structure`, not kept: callable from another thread (it
+        releases the GIL), as a long compile must not hold up the scheduler's steps."""
         if structure.kind not in ("json_object", "json_schema", "structural_tag"):
             raise InvalidRequest(f"unknown structure {structure.kind!r}")
         compiler = self.compiler()
         try:
             if structure.kind == "json_object":  # an object, any members (not any value)
-                grammar = compiler.compile_json_schema(ANY_OBJECT, strict_mode=False)
-            elif structure.kind == "json_schema":
-                grammar = compiler.compile_json_schema(structure.schema)
-            else:  # tool calls (api/tools.py): text and tagged calls
-                grammar = compiler.compile_structural_tag(structure.schema)
+                return compiler.compile_json_schema(ANY_OBJECT, strict_mode=False)
+            if structure.kind == "json_schema":
+                return compiler.compile_json_schema(structure.schema)
+            # tool calls (api/tools.py): text and tagged calls
+            return compiler.compile_structural_tag(structure.schema)
         except (RuntimeError, ValueError) as error:  # xgrammar's word for a bad schema
             reason = SOURCE_PREFIX.sub("", str(error).strip())
-            if structure.kind == "structural_tag":
-                raise InvalidRequest(f"a tool's parameters: {reason}", param="tools") from None
-            raise InvalidRequest(f"response_format's schema: {reason}",
-                                 param="response_format") from None
+            raise InvalidRequest(f"{_what(structure)}: {reason}",
+                                 param=field_of(structure)) from None
+
+    def keep(self, structure: Structure, grammar):
         self.compiled[structure] = grammar
         while len(self.compiled) > CACHED:
             self.compiled.popitem(last=False)
         return grammar
 
     def compiler(self):
+        with self._compiler_made:
+            return self._make_compiler()
+
+    def _make_compiler(self):
         if self._compiler is None:
             try:
                 import xgrammar
@@ -79,6 +93,16 @@ class Grammars:
                 tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids)
             self._compiler = xgrammar.GrammarCompiler(info)
         return self._compiler
+
+
+def field_of(structure: Structure) -> str:
+    """The request field a structure comes from, which an error about it names."""
+    return "tools" if structure.kind == "structural_tag" else "response_format"
+
+
+def _what(structure: Structure) -> str:
+    return "a tool's parameters" if structure.kind == "structural_tag" else \
+        "response_format's schema"
 
 
 def constrain(logits: torch.Tensor, matchers: list) -> torch.Tensor:

@@ -47,6 +47,7 @@ from pipeline.tokenizer import Tokenizer
 from pipeline.worker import new_worker_id
 from workers.scheduler import qgemm_vnni
 from workers.scheduler.engine import Engine, EngineRequest, StepResult
+from workers.scheduler.grammar import field_of
 from workers.scheduler.held import Running
 from workers.scheduler.linear import VNNI_BESIDE_AMX, Kernels
 from workers.text import find_stop, stop_window
@@ -57,6 +58,7 @@ ADMITTED_TTL_S = 30  # retried XADDs arrive within seconds; the keys must not pi
 PULL_EVERY_S = 0.01  # a step's reads of new requests, this far apart at least
 STEP_EMA = 0.2  # weight of the last step in the average step time
 MAX_ALTERNATIVES = 20  # logprobs' top tokens a request may ask for (the api's limit too)
+COMPILE_LIMIT_S = 10.0  # a structure's grammar compiles within this (from its arrival)
 
 
 class Scheduler:
@@ -81,6 +83,12 @@ class Scheduler:
         self.draining = draining or asyncio.Event()  # set on SIGTERM (pipeline.roles)
         self.drain_deadline: float | None = None
         self.drained = False
+        # structured requests whose grammar compiles on its own thread, so that the steps
+        # go on meanwhile (a large schema takes seconds): request id -> (compile, its run,
+        # when it began)
+        self.grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.compiling: dict[str, tuple[asyncio.Future, Running, float]] = {}
+        self.compile_limit_s = COMPILE_LIMIT_S
 
     async def join(self) -> None:
         for stream, group in ((self.keys.requests, SCHEDULERS), (self.keys.tokens, DETOKENIZERS)):
@@ -104,13 +112,18 @@ class Scheduler:
             return
         if time.monotonic() >= self.next_upkeep:
             await self.upkeep()
+        self.admit_compiled()
         # asked before the step: the engine is its thread's then
         room = 0 if self.draining.is_set() else self.engine.can_admit()
         if not self.engine.has_work():  # idle: wait for work, nothing to overlap
             control, _ = await self.exchange(0)
             requests = [] if room <= 0 else await self.reader.read_group(
-                self.keys.requests, SCHEDULERS, self.worker_id, count=room, wait=True)
+                self.keys.requests, SCHEDULERS, self.worker_id, count=room,
+                wait=not self.compiling)
             await self.take(control, requests)
+            if self.compiling and not requests:  # wait for a compile, a while at most
+                await asyncio.wait([future for future, *_ in self.compiling.values()],
+                                   timeout=PULL_EVERY_S * 5, return_when=asyncio.FIRST_COMPLETED)
             return
         launched = time.perf_counter()
         running = asyncio.get_running_loop().run_in_executor(self.engine_thread,
@@ -299,15 +312,46 @@ class Scheduler:
                 self.num_expired += 1
                 raise RequestTimeout("the request expired before a scheduler could start it")
             self.check(submit)
-            self.engine.add(EngineRequest(submit.request_id, submit.prompt_ids,
-                                          list(submit.output_ids), submit.sampling))
+            run = Running(submit, entry_id, list(submit.output_ids), len(submit.output_ids))
+            structure = submit.sampling.structure
+            if structure is not None and not self.engine.grammars.ready(structure):
+                compiling = asyncio.get_running_loop().run_in_executor(
+                    self.grammar_thread, self.engine.grammars.compile, structure)
+                self.compiling[submit.request_id] = (compiling, run, time.monotonic())
+            else:
+                self.engine.add(EngineRequest(submit.request_id, submit.prompt_ids,
+                                              list(submit.output_ids), submit.sampling))
         except PipelineError as error:
             self.failures.append(Failed(submit.request_id, submit.reply_to, error.code,
                                         error.detail, submit.attempt, param=error.param))
             self.to_ack.append(entry_id)
             return
-        self.running[submit.request_id] = Running(submit, entry_id, list(submit.output_ids),
-                                                  len(submit.output_ids))
+        self.running[submit.request_id] = run
+
+    def admit_compiled(self) -> None:
+        """Structured requests whose grammar is ready join the engine; one whose grammar
+        took over `compile_limit_s` is refused (its compile runs on, unkept)."""
+        now = time.monotonic()
+        for request_id, (compiling, run, began) in list(self.compiling.items()):
+            if not compiling.done() and now - began < self.compile_limit_s:
+                continue
+            del self.compiling[request_id]
+            if self.running.get(request_id) is not run:  # cancelled, or a newer attempt
+                continue
+            submit, structure = run.submit, run.submit.sampling.structure
+            try:
+                if not compiling.done():
+                    compiling.add_done_callback(_retrieved)
+                    raise InvalidRequest(f"{field_of(structure)} did not compile within "
+                                         f"{self.compile_limit_s:g} s", param=field_of(structure))
+                self.engine.grammars.keep(structure, compiling.result())
+                self.engine.add(EngineRequest(submit.request_id, submit.prompt_ids,
+                                              list(submit.output_ids), submit.sampling))
+            except PipelineError as error:
+                del self.running[request_id]
+                self.failures.append(Failed(request_id, submit.reply_to, error.code,
+                                            error.detail, submit.attempt, param=error.param))
+                self.to_ack.append(run.entry_id)
 
     def check(self, submit: Submit) -> None:
         """Entries can be written by anyone with access to Redis: trust nothing."""
@@ -376,6 +420,12 @@ class Scheduler:
                 **kernel_names(engine.kernels),
                 "num_expired": self.num_expired, "draining": self.draining.is_set()} | asdict(
             engine.stats())
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """An abandoned compile's outcome, taken so asyncio does not log it as lost."""
+    if not future.cancelled():
+        future.exception()
 
 
 def kernel_names(kernels: Kernels) -> dict[str, str]:
