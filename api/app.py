@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api import native_routes, openai_routes, tokenize_routes
+from api import native_routes, openai_routes, responses_api, tokenize_routes
 from api.errors import error_response, install_handlers
 from api.frontend import Frontend
 from api.metrics import Metrics
@@ -57,6 +57,7 @@ def create_app(config: Config, model: ModelFiles | None = None) -> FastAPI:
     app = FastAPI(title="redis-pipeline", lifespan=lifespan, strict_content_type=False)
     install_handlers(app)
     app.include_router(openai_routes.router)
+    app.include_router(responses_api.router)
     app.include_router(native_routes.router)
     app.include_router(tokenize_routes.router)
     app.add_middleware(RequestGuard, config=config.api, metrics=metrics)

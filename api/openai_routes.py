@@ -43,6 +43,11 @@ def _model(s: Served, name: str) -> dict:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request, s: ServedDep):
+    return await run_job(chat_job(body, s), body.stream, request, s)
+
+
+def chat_job(body: ChatRequest, s: Served) -> Job:
+    """A chat, checked and tokenized, ready to run (the Responses API's too)."""
     _check_common(body, s)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -55,8 +60,7 @@ async def chat_completions(body: ChatRequest, request: Request, s: ServedDep):
     sampling = to_sampling(body, num_prompt_tokens=len(prompt_ids), limits=s.limits,
                            num_logprobs=num_logprobs, logprobs_param="top_logprobs",
                            structure=structure)
-    job = _job(body, s, True, [prompt_ids], per_choice(sampling, body.n), tool_calls=calls)
-    return await _run(job, body.stream, request, s)
+    return _job(body, s, True, [prompt_ids], per_choice(sampling, body.n), tool_calls=calls)
 
 
 @router.post("/v1/completions")
@@ -75,7 +79,7 @@ async def completions(body: CompletionRequest, request: Request, s: ServedDep):
                                num_logprobs=body.logprobs, prompt_logprobs=body.echo)
         samplings += per_choice(sampling, body.n)
     job = _job(body, s, False, prompts, samplings, echo=body.echo)
-    return await _run(job, body.stream, request, s)
+    return await run_job(job, body.stream, request, s)
 
 
 def _check_common(body: OpenAIRequest, s: Served) -> None:
@@ -105,9 +109,13 @@ def _job(body: OpenAIRequest, s: Served, is_chat: bool, prompts: list[list[int]]
                tool_calls=tool_calls)
 
 
-async def _run(job: Job, stream: bool, request: Request, s: Served):
-    events = choice_events(s.frontend, job.runs, job.response_id,
-                           s.config.request_timeout_s, s.delta_interval(stream))
+def job_events(job: Job, stream: bool, s: Served):
+    return choice_events(s.frontend, job.runs, job.response_id, s.config.request_timeout_s,
+                         s.delta_interval(stream))
+
+
+async def run_job(job: Job, stream: bool, request: Request, s: Served):
+    events = job_events(job, stream, s)
     if stream:
         return EventStream(stream_chunks(job, s.tokenizer, await started(events)))
     return whole_response(job, s.tokenizer, await collect(request, events, len(job.samplings)))

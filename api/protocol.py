@@ -191,3 +191,39 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+class ResponsesRequest(SamplingFields):
+    """OpenAI's Responses API (/v1/responses), stateless: the conversation comes whole
+    in `input` (api/responses_input.py turns it into a chat). Fields that would need
+    stored state or features we lack are declared so `unsupported` can refuse them."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None  # flat: {"type": "function", "name", ...}
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_schema" ...}}
+    store: bool | None = None  # nothing is stored: a response cannot be fetched again
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    background: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _output_tokens(self) -> ResponsesRequest:
+        if self.max_output_tokens is not None:
+            self.max_tokens = self.max_output_tokens
+        return self
+
+    def unsupported(self) -> str | None:
+        lacking = ("previous_response_id", "conversation", "background", "reasoning",
+                   "include", "top_logprobs")
+        return next((name for name in lacking if getattr(self, name)), None)

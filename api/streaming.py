@@ -165,9 +165,10 @@ class EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, chunks: AsyncIterator[dict]):
-        super().__init__(sse(chunks), headers={"Cache-Control": "no-cache",
-                                               "X-Accel-Buffering": "no"})
+    def __init__(self, chunks: AsyncIterator[dict], encode=sse):
+        """`encode`: chunks to the stream's bytes (`sse`: chat and completion chunks)."""
+        super().__init__(encode(chunks), headers={"Cache-Control": "no-cache",
+                                                  "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope, receive, send) -> None:
         try:

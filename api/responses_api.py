@@ -1,0 +1,205 @@
+# POST /v1/responses: OpenAI's Responses API, stateless (nothing is stored: a client
+# sends the whole conversation in `input`). A request runs as the chat it amounts to
+# (api/responses_input.py); its output comes back as Responses items: a message with
+# the text, and a function_call item a tool call. Streamed, as Responses' typed events.
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from typing import Annotated
+
+import msgspec
+from fastapi import APIRouter, Depends, Request
+
+from api.errors import as_pipeline_error
+from api.openai_routes import chat_job, job_events
+from api.protocol import ResponsesRequest
+from api.responses import Job
+from api.responses_input import responses_param, to_chat
+from api.served import Served, served
+from api.streaming import Choice, Event, EventStream, collect, started
+from pipeline.errors import PipelineError
+
+router = APIRouter()
+ServedDep = Annotated[Served, Depends(served)]
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request, s: ServedDep):
+    try:
+        job = chat_job(to_chat(body), s)
+        job = dataclasses.replace(job, response_id=f"resp_{uuid.uuid4().hex}")
+        events = job_events(job, body.stream, s)
+        if body.stream:
+            return EventStream(_events(job, body, await started(events)), encode=_sse)
+        [choice] = await collect(request, events, 1)
+    except PipelineError as error:
+        raise responses_param(error) from None
+    return _finished(job, body, choice)
+
+
+def _shell(job: Job, body: ResponsesRequest, status: str, output: list, usage=None,
+           finish: str | None = None) -> dict:
+    return {"id": job.response_id, "object": "response", "created_at": job.created,
+            "status": status, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "model": job.model, "output": output, "parallel_tool_calls": body.parallel_tool_calls,
+            "temperature": body.temperature, "top_p": body.top_p,
+            "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
+            "text": body.text or {"format": {"type": "text"}}, "usage": usage,
+            "metadata": body.metadata or {}, "store": False}
+
+
+def _finished(job: Job, body: ResponsesRequest, choice: Choice, output: list | None = None):
+    """The whole response: `output` as streamed, or made from the choice's text."""
+    if output is None:
+        content, calls = choice.text, []
+        if job.tool_calls is not None:
+            reader = job.tool_calls.reader()
+            reader.read(choice.text, last=True)
+            content, calls = reader.content, reader.calls
+        output = [_message(_id("msg"), content, "completed")] if content or not calls else []
+        output += [_call(_id("fc"), call, "completed") for call in calls]
+    usage = job.usage([choice])
+    usage = {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+             "output_tokens": usage["completion_tokens"],
+             "output_tokens_details": {"reasoning_tokens": 0},
+             "total_tokens": usage["total_tokens"]}
+    status = "incomplete" if choice.finish == "length" else "completed"
+    return _shell(job, body, status, output, usage, choice.finish)
+
+
+def _message(item_id: str, text: str, status: str) -> dict:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [] if status == "in_progress" else [_text_part(text)]}
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _call(item_id: str, call: dict, status: str) -> dict:
+    return {"type": "function_call", "id": item_id, "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+            "status": status}
+
+
+def _id(kind: str) -> str:
+    return f"{kind}_{uuid.uuid4().hex}"
+
+
+class _Items:
+    """The stream's output items as they open, grow and close, each change an event."""
+
+    def __init__(self, event: Callable[..., dict]):
+        self.event, self.done, self.open = event, [], None  # open: [kind, id, text, call]
+
+    def text(self, piece: str) -> list[dict]:
+        events = [] if self.open and self.open[0] == "message" else self._start("message")
+        self.open[2] += piece
+        return events + [self.event("response.output_text.delta", **self._at(),
+                                    content_index=0, delta=piece, logprobs=[])]
+
+    def call(self, piece: dict) -> list[dict]:
+        events = []
+        if "id" in piece:  # a call's first piece: its id and name
+            call = {"id": piece["id"], "function": {"name": piece["function"]["name"],
+                                                    "arguments": ""}}
+            events = self._start("function_call", call)
+        if arguments := piece["function"]["arguments"]:
+            self.open[2] += arguments
+            events.append(self.event("response.function_call_arguments.delta", **self._at(),
+                                     delta=arguments))
+        return events
+
+    def close(self) -> list[dict]:
+        if self.open is None:
+            return []
+        kind, item_id, text, call = self.open
+        if kind == "message":
+            item = _message(item_id, text, "completed")
+            events = [self.event("response.output_text.done", **self._at(), content_index=0,
+                                 text=text, logprobs=[]),
+                      self.event("response.content_part.done", **self._at(), content_index=0,
+                                 part=_text_part(text))]
+        else:
+            call["function"]["arguments"] = text
+            item = _call(item_id, call, "completed")
+            events = [self.event("response.function_call_arguments.done", **self._at(),
+                                 arguments=text)]
+        events.append(self.event("response.output_item.done", output_index=len(self.done),
+                                 item=item))
+        self.done.append(item)
+        self.open = None
+        return events
+
+    def _start(self, kind: str, call: dict | None = None) -> list[dict]:
+        events = self.close()
+        item_id = _id("msg" if kind == "message" else "fc")
+        self.open = [kind, item_id, "", call]
+        item = _message(item_id, "", "in_progress") if call is None else \
+            _call(item_id, call, "in_progress")
+        events.append(self.event("response.output_item.added", output_index=len(self.done),
+                                 item=item))
+        if kind == "message":
+            events.append(self.event("response.content_part.added", **self._at(),
+                                     content_index=0, part=_text_part("")))
+        return events
+
+    def _at(self) -> dict:
+        return {"item_id": self.open[1], "output_index": len(self.done)}
+
+
+async def _events(job: Job, body: ResponsesRequest,
+                  events: AsyncIterator[Event]) -> AsyncIterator[dict]:
+    numbers = itertools.count()
+
+    def event(kind: str, **fields) -> dict:
+        return {"type": kind, "sequence_number": next(numbers), **fields}
+
+    opening = _shell(job, body, "in_progress", [])
+    yield event("response.created", response=opening)
+    yield event("response.in_progress", response=opening)
+    reader = job.tool_calls.reader() if job.tool_calls is not None else None
+    items, choice = _Items(event), Choice()
+    async with aclosing(events):
+        async for _index, delta in events:
+            choice.add(delta)
+            if reader is None:
+                said = [*items.text(delta.text)] if delta.text else []
+            else:
+                told = reader.read(delta.text, last=delta.finish is not None)
+                said = items.text(told.content) if told.content else []
+                for piece in told.calls:
+                    said += items.call(piece)
+            for each in said:
+                yield each
+    for each in items.close():
+        yield each
+    whole = _finished(job, body, choice, items.done)
+    kind = "response.incomplete" if whole["status"] == "incomplete" else "response.completed"
+    yield event(kind, response=whole)
+
+
+async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    """Responses' SSE: each event named by its type; a failure after the 200 is an
+    `error` event. No [DONE]: the completed (or incomplete) event ends the stream."""
+    number = 0
+    try:
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                number = chunk["sequence_number"] + 1
+                yield _sse_event(chunk)
+    except Exception as error:  # the 200 is already sent: report in-band
+        failure = responses_param(as_pipeline_error(error))
+        yield _sse_event({"type": "error", "sequence_number": number, "code": failure.code,
+                          "message": failure.detail, "param": failure.param})
+
+
+def _sse_event(chunk: dict) -> bytes:
+    return b"event: %s\ndata: %s\n\n" % (chunk["type"].encode(), msgspec.json.encode(chunk))

@@ -1,0 +1,113 @@
+"""/v1/responses through the OpenAI client on the session's tier: text, streamed
+events, function calls and their outputs sent back, structured text; and what it
+refuses, each a 400 naming the Responses field."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tests.test_api_validation import assert_openai_error, serving
+from tests.test_openai_client import WEATHER
+
+MODEL = "SmolLM2-135M-Instruct"
+FLAT_WEATHER = {"type": "function", **WEATHER["function"]}
+
+
+@pytest.fixture(scope="module")
+def client(tier):
+    return openai.OpenAI(base_url=f"{tier.base_url}/v1", api_key="unused", timeout=120)
+
+
+def test_a_response_is_the_chats_reply_as_a_message_item(client):
+    chat = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=12,
+        messages=[{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "Name a color."}])
+    response = client.responses.create(model=MODEL, temperature=0, max_output_tokens=12,
+                                       instructions="Be brief.", input="Name a color.")
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert response.output_text == chat.choices[0].message.content
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant"
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (
+        chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    expected = "incomplete" if chat.choices[0].finish_reason == "length" else "completed"
+    assert response.status == expected
+
+
+def test_a_streamed_response_is_the_whole_one_event_by_event(client):
+    ask = {"model": MODEL, "temperature": 0, "max_output_tokens": 16,
+           "input": [{"role": "user", "content": [{"type": "input_text",
+                                                   "text": "Count to five."}]}]}
+    whole = client.responses.create(**ask)
+    events = list(client.responses.create(**ask, stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = [event.delta for event in events if event.type == "response.output_text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == whole.output_text
+    assert events[-1].response.output_text == whole.output_text
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+
+
+def test_function_calls_and_their_outputs_go_round_the_loop(client):
+    ask = {"model": MODEL, "temperature": 0, "max_output_tokens": 40, "tools": [FLAT_WEATHER],
+           "input": "What is the weather in Paris?"}
+    called = client.responses.create(**ask, tool_choice="required", parallel_tool_calls=False)
+    [call] = called.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert "city" in json.loads(call.arguments) and call.call_id.startswith("call_")
+    streamed = list(client.responses.create(**ask, tool_choice="required",
+                                            parallel_tool_calls=False, stream=True))
+    arguments = [e.delta for e in streamed if e.type == "response.function_call_arguments.delta"]
+    assert "".join(arguments) == call.arguments
+    [done] = [e for e in streamed if e.type == "response.function_call_arguments.done"]
+    assert done.arguments == call.arguments
+    with client.responses.stream(**ask, tool_choice="required",  # the SDK's own assembly
+                                 parallel_tool_calls=False) as stream:
+        [assembled] = stream.get_final_response().output
+    assert (assembled.name, assembled.arguments) == (call.name, call.arguments)
+    answer = client.responses.create(**ask | {"tool_choice": "none", "input": [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id,
+         "output": "Sunny, 24 degrees."}]})
+    assert answer.output_text and answer.output[0].type == "message"
+
+
+def test_text_format_holds_the_output_to_a_schema(client):
+    schema = {"type": "object", "properties": {"color": {"type": "string"}},
+              "required": ["color"], "additionalProperties": False}
+    response = client.responses.create(
+        model=MODEL, temperature=0, max_output_tokens=30, input="Name a color as JSON.",
+        text={"format": {"type": "json_schema", "name": "color", "schema": schema}})
+    assert set(json.loads(response.output_text)) == {"color"}
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "hi", "reasoning": {"effort": "low"}}, "reasoning"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0].type"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+     "input[0].call_id"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format"),
+    ({"input": []}, "input"),
+])
+async def test_what_the_responses_api_cannot_do_is_a_400_naming_its_field(
+        redis_url, prefix, model_files, body, param):
+    async with serving(redis_url, prefix, model_files) as api:
+        response = await api.post("/v1/responses", json=body)
+    assert_openai_error(response, 400, param=param)
