@@ -15,9 +15,10 @@ from pipeline.tokenizer import Tokenizer
 
 
 def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer,
-                    add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
-    """The chat template's text for these messages and the `tools` offered, tokenized."""
+                    add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
+    """The chat template's text for these messages and the `tools` offered, tokenized.
+    `template_kwargs`: more variables for the template (chat_template_kwargs)."""
     if not messages:
         raise InvalidRequest("messages must not be empty", param="messages")
     native = "tool_calls" in (tokenizer.chat_template or "")
@@ -35,7 +36,8 @@ def chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer,
     if tools and not shows_tools(tokenizer):
         rendered = _with_system_text(rendered, tools_message(tools))
     text = tokenizer.apply_chat_template(rendered, add_generation_prompt,
-                                         tools if tools and shows_tools(tokenizer) else None)
+                                         tools if tools and shows_tools(tokenizer) else None,
+                                         template_kwargs)
     return tokenizer.encode(text)
 
 

@@ -53,7 +53,8 @@ def chat_job(body: ChatRequest, s: Served) -> Job:
         raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
     calls = tool_calls(body, s.tokenizer)
     offered = [tool.model_dump(exclude_none=True) for tool in body.tools or []] if calls else None
-    prompt_ids = check_prompt(chat_prompt_ids(body.messages, s.tokenizer, tools=offered),
+    prompt_ids = check_prompt(chat_prompt_ids(body.messages, s.tokenizer, tools=offered,
+                                              template_kwargs=body.chat_template_kwargs),
                               s.limits, "messages")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     structure = calls.structure() if calls else structure_of(body.response_format)

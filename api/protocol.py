@@ -116,6 +116,9 @@ class ChatRequest(OpenAIRequest):
     tool_choice: str | dict[str, Any] | None = None  # see api/tools.py
     parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
+    # more variables for the chat template (vLLM's and SGLang's name): Qwen3's
+    # {"enable_thinking": false}, for one
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _newer_name_wins(self) -> ChatRequest:
@@ -178,6 +181,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True  # messages: end with the assistant's turn opened
     tools: list[Tool] | None = None  # messages: the tools offered, as a chat shows them
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

@@ -21,7 +21,8 @@ async def tokenize(body: TokenizeRequest, s: ServedDep) -> dict:
     s.check_model(body.model)
     if body.messages is not None:
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []] or None
-        ids = chat_prompt_ids(body.messages, s.tokenizer, body.add_generation_prompt, tools)
+        ids = chat_prompt_ids(body.messages, s.tokenizer, body.add_generation_prompt, tools,
+                              body.chat_template_kwargs)
     else:
         ids = s.tokenizer.encode(body.prompt or "")
     return {"count": len(ids), "max_model_len": s.limits.context_len, "tokens": ids}

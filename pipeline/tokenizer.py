@@ -65,14 +65,21 @@ class Tokenizer:
         return env.from_string(self.chat_template)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
-        """`tools` go to a template that shows them (transformers' name); others ignore them."""
+                            tools: list[dict] | None = None,
+                            extra: dict | None = None) -> str:
+        """`tools` go to a template that shows them (transformers' name); others ignore them.
+        `extra`: more variables for the template (a request's chat_template_kwargs, such
+        as Qwen3's enable_thinking)."""
         if not self.chat_template:
             raise InvalidRequest("this model has no chat template: use /v1/completions")
+        given = {"messages": messages, "add_generation_prompt": add_generation_prompt,
+                 "bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                 "tools": tools}
+        if clash := sorted(set(extra or {}) & set(given)):
+            raise InvalidRequest(f"chat_template_kwargs cannot set {', '.join(clash)}",
+                                 param="chat_template_kwargs")
         try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=tools,
-            )
-        except jinja2.TemplateError as error:
+            return self._template.render(**(extra or {}), **given)
+        # a template's own errors, or its expressions failing on the values given
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError) as error:
             raise InvalidRequest(f"chat template failed: {error}") from error

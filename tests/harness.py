@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ import httpx
 import redis
 
 from pipeline.status import live_workers
+from pipeline.tokenizer import Tokenizer
 
 
 def load_bench_script(name: str):
@@ -139,3 +141,11 @@ def _healthy(port: int) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def tokenizer_with_template(model_files, directory: Path, template: str) -> Tokenizer:
+    """The served model's tokenizer with another chat template, in `directory`."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_files.path / name, directory / name)
+    (directory / "chat_template.jinja").write_text(template)
+    return Tokenizer(directory)

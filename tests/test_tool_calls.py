@@ -5,7 +5,6 @@ chat template allows. The served round trip is in test_openai_client.py."""
 from __future__ import annotations
 
 import random
-import shutil
 
 import pytest
 
@@ -15,6 +14,7 @@ from api.tool_reader import CallReader
 from api.tools import ToolCalls, tool_calls
 from pipeline.errors import InvalidRequest
 from pipeline.tokenizer import Tokenizer
+from tests.harness import tokenizer_with_template
 from tests.test_api_validation import CHAT, assert_openai_error, serving
 
 TWO_CALLS = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": '
@@ -128,13 +128,6 @@ def test_tool_history_becomes_the_prompt_in_the_format_asked_for(model_files):
             "rain\n</tool_response><|im_end|>") in text
 
 
-def _tokenizer_with_template(model_files, tmp_path, template: str) -> Tokenizer:
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(model_files.path / name, tmp_path / name)
-    (tmp_path / "chat_template.jinja").write_text(template)
-    return Tokenizer(tmp_path)
-
-
 def test_a_template_that_knows_tool_calls_gets_them_as_transformers_passes_them(
         model_files, tmp_path):
     template = ("{% for m in messages %}{{ m.role }}:{{ m.content }}"
@@ -142,7 +135,7 @@ def test_a_template_that_knows_tool_calls_gets_them_as_transformers_passes_them(
                 "{{ c.function.arguments.city }}]{% endfor %}"
                 "{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}|{% endfor %}"
                 "{% for t in tools or [] %}<{{ t.function.name }}>{% endfor %}")
-    tokenizer = _tokenizer_with_template(model_files, tmp_path, template)
+    tokenizer = tokenizer_with_template(model_files, tmp_path, template)
     messages = [ChatMessage.model_validate(m) for m in [
         {"role": "assistant", "tool_calls": [{"id": "c1", "function": {
             "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
