@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, Request
 
 from api.chat_prompt import chat_prompt_ids
 from api.protocol import ChatRequest, CompletionRequest, OpenAIRequest
+from api.reasoning import reasoning_start
 from api.responses import Job, stream_chunks, whole_response
 from api.sampling import MAX_PROMPTS, check_prompt, structure_of, to_sampling
 from api.served import Served, served
@@ -61,7 +62,8 @@ def chat_job(body: ChatRequest, s: Served) -> Job:
     sampling = to_sampling(body, num_prompt_tokens=len(prompt_ids), limits=s.limits,
                            num_logprobs=num_logprobs, logprobs_param="top_logprobs",
                            structure=structure)
-    return _job(body, s, True, [prompt_ids], per_choice(sampling, body.n), tool_calls=calls)
+    return _job(body, s, True, [prompt_ids], per_choice(sampling, body.n), tool_calls=calls,
+                reasoning=reasoning_start(s.tokenizer, prompt_ids))
 
 
 @router.post("/v1/completions")
@@ -101,13 +103,13 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]], s: Served) -
 
 def _job(body: OpenAIRequest, s: Served, is_chat: bool, prompts: list[list[int]],
          samplings: list[Sampling], echo: bool = False,
-         tool_calls: ToolCalls | None = None) -> Job:
+         tool_calls: ToolCalls | None = None, reasoning: str | None = None) -> Job:
     prefix = "chatcmpl" if is_chat else "cmpl"
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     return Job(is_chat=is_chat, response_id=f"{prefix}-{uuid.uuid4().hex}",
                created=int(time.time()), model=s.model_name, prompts=prompts,
                samplings=samplings, include_usage=include_usage, echo=echo,
-               tool_calls=tool_calls)
+               tool_calls=tool_calls, reasoning=reasoning)
 
 
 def job_events(job: Job, stream: bool, s: Served):

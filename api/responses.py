@@ -8,7 +8,9 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from api.reasoning import ThoughtReader
 from api.streaming import Choice, Event, Run
+from api.tool_reader import CallReader
 from api.tools import ToolCalls
 from pipeline.messages import Delta, Sampling, TokenLogprob
 from pipeline.tokenizer import Tokenizer
@@ -29,6 +31,7 @@ class Job:
     include_usage: bool = False
     echo: bool = False  # a completion's text (and logprobs) begin with its prompt's
     tool_calls: ToolCalls | None = None  # a chat's output is a call (api/tools.py)
+    reasoning: str | None = None  # a thinking model's start (api/reasoning.py)
 
     @property
     def runs(self) -> list[Run]:
@@ -64,14 +67,17 @@ def _choice(job: Job, tokenizer: Tokenizer, index: int, choice: Choice) -> dict:
     if job.echo:
         return _echoed(job, tokenizer, index, choice, choice.text, choice.logprobs)
     logprobs = _logprobs(job, tokenizer, choice.logprobs, 0) if job.wants_logprobs else None
-    finish = choice.finish
+    finish, text, thought = choice.finish, choice.text, {}
+    if job.reasoning is not None:
+        reasoning, text = ThoughtReader(job.reasoning).read(text, last=True)
+        thought = {"reasoning_content": reasoning or None}
     if job.tool_calls is not None:
-        message, finish = job.tool_calls.message(choice.text, finish)
-        content = {"message": message}
+        message, finish = job.tool_calls.message(text, finish)
+        content = {"message": message | thought}
     elif job.is_chat:
-        content = {"message": {"role": "assistant", "content": choice.text}}
+        content = {"message": {"role": "assistant", "content": text} | thought}
     else:
-        content = {"text": choice.text}
+        content = {"text": text}
     return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish}
 
 
@@ -97,6 +103,7 @@ async def stream_chunks(job: Job, tokenizer: Tokenizer,
     adds a last chunk with usage and no choices."""
     choices = [Choice() for _ in job.samplings]
     readers = [job.tool_calls.reader() for _ in choices] if job.tool_calls else []
+    thinkers = [ThoughtReader(job.reasoning) for _ in choices] if job.reasoning else []
     echoed = [0] * len(choices)  # the length of each choice's echoed prompt text
     async with aclosing(events):
         if job.is_chat:
@@ -113,18 +120,36 @@ async def stream_chunks(job: Job, tokenizer: Tokenizer,
                                        delta.logprobs or [])
                 echoed[index] = len(chunk_choice["text"]) - len(delta.text)
                 yield job.envelope(is_chunk=True) | {"choices": [chunk_choice]}
-            elif readers:  # content and calls, each as soon as it is known to be one
-                said = readers[index].read(delta.text, last=delta.finish is not None)
-                if said.delta() or delta.finish is not None:
-                    finish = job.tool_calls.finish_reason(readers[index], delta.finish)
-                    yield job.envelope(is_chunk=True) | {"choices": [
-                        {"index": index, "delta": said.delta(), "logprobs": None,
-                         "finish_reason": finish}]}
+            elif readers or thinkers:  # thought, content and calls, each once known
+                chunk_choice = _read_choice(job, tokenizer, index, delta,
+                                            readers[index] if readers else None,
+                                            thinkers[index] if thinkers else None)
+                if chunk_choice is not None:
+                    yield job.envelope(is_chunk=True) | {"choices": [chunk_choice]}
             elif delta.text or delta.logprobs or delta.finish is not None:
                 chunk_choice = _chunk_choice(job, tokenizer, index, delta, text_offset)
                 yield job.envelope(is_chunk=True) | {"choices": [chunk_choice]}
     if job.include_usage:
         yield job.envelope(is_chunk=True) | {"choices": [], "usage": job.usage(choices)}
+
+
+def _read_choice(job: Job, tokenizer: Tokenizer, index: int, delta: Delta,
+                 calls: CallReader | None, thoughts: ThoughtReader | None) -> dict | None:
+    """A chat chunk's choice where the output is read for thought or calls; None where
+    this delta tells nothing yet (a tag, maybe, held back)."""
+    last, text, said, finish = delta.finish is not None, delta.text, {}, delta.finish
+    if thoughts is not None:
+        thought, text = thoughts.read(text, last)
+        said = {"reasoning_content": thought} if thought else {}
+    if calls is not None:
+        said |= calls.read(text, last).delta()
+        finish = job.tool_calls.finish_reason(calls, delta.finish)
+    elif text:
+        said["content"] = text
+    logprobs = _logprobs(job, tokenizer, delta.logprobs, 0) if delta.logprobs else None
+    if not said and not last and logprobs is None:
+        return None
+    return {"index": index, "delta": said, "logprobs": logprobs, "finish_reason": finish}
 
 
 def _chunk_choice(job: Job, tokenizer: Tokenizer, index: int, delta: Delta,

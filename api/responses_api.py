@@ -1,7 +1,8 @@
 # POST /v1/responses: OpenAI's Responses API, stateless (nothing is stored: a client
 # sends the whole conversation in `input`). A request runs as the chat it amounts to
-# (api/responses_input.py); its output comes back as Responses items: a message with
-# the text, and a function_call item a tool call. Streamed, as Responses' typed events.
+# (api/responses_input.py); its output comes back as Responses items: a reasoning item
+# with a thinking model's thought, a message with the text, a function_call item each
+# tool call. Streamed, as Responses' typed events.
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from fastapi import APIRouter, Depends, Request
 from api.errors import as_pipeline_error
 from api.openai_routes import chat_job, job_events
 from api.protocol import ResponsesRequest
+from api.reasoning import ThoughtReader
 from api.responses import Job
 from api.responses_input import responses_param, to_chat
 from api.served import Served, served
@@ -58,12 +60,15 @@ def _shell(job: Job, body: ResponsesRequest, status: str, output: list, usage=No
 def _finished(job: Job, body: ResponsesRequest, choice: Choice, output: list | None = None):
     """The whole response: `output` as streamed, or made from the choice's text."""
     if output is None:
-        content, calls = choice.text, []
+        thought, content, calls = "", choice.text, []
+        if job.reasoning is not None:
+            thought, content = ThoughtReader(job.reasoning).read(content, last=True)
         if job.tool_calls is not None:
             reader = job.tool_calls.reader()
-            reader.read(choice.text, last=True)
+            reader.read(content, last=True)
             content, calls = reader.content, reader.calls
-        output = [_message(_id("msg"), content, "completed")] if content or not calls else []
+        output = [_reasoning(_id("rs"), thought)] if thought else []
+        output += [_message(_id("msg"), content, "completed")] if content or not calls else []
         output += [_call(_id("fc"), call, "completed") for call in calls]
     usage = job.usage([choice])
     usage = {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
@@ -89,6 +94,11 @@ def _call(item_id: str, call: dict, status: str) -> dict:
             "status": status}
 
 
+def _reasoning(item_id: str, thought: str) -> dict:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": "completed",
+            "content": [{"type": "reasoning_text", "text": thought}]}
+
+
 def _id(kind: str) -> str:
     return f"{kind}_{uuid.uuid4().hex}"
 
@@ -98,6 +108,18 @@ class _Items:
 
     def __init__(self, event: Callable[..., dict]):
         self.event, self.done, self.open = event, [], None  # open: [kind, id, text, call]
+        self.thinking = ""  # a thought not yet given out: it goes whole, as one item
+
+    def thought(self, piece: str) -> None:
+        self.thinking += piece
+
+    def _thought_item(self) -> list[dict]:
+        if not self.thinking:
+            return []
+        item, self.thinking = _reasoning(_id("rs"), self.thinking), ""
+        self.done.append(item)
+        return [self.event(kind, output_index=len(self.done) - 1, item=item)
+                for kind in ("response.output_item.added", "response.output_item.done")]
 
     def text(self, piece: str) -> list[dict]:
         events = [] if self.open and self.open[0] == "message" else self._start("message")
@@ -119,7 +141,7 @@ class _Items:
 
     def close(self) -> list[dict]:
         if self.open is None:
-            return []
+            return self._thought_item()
         kind, item_id, text, call = self.open
         if kind == "message":
             item = _message(item_id, text, "completed")
@@ -139,7 +161,7 @@ class _Items:
         return events
 
     def _start(self, kind: str, call: dict | None = None) -> list[dict]:
-        events = self.close()
+        events = self.close() + self._thought_item()
         item_id = _id("msg" if kind == "message" else "fc")
         self.open = [kind, item_id, "", call]
         item = _message(item_id, "", "in_progress") if call is None else \
@@ -166,14 +188,19 @@ async def _events(job: Job, body: ResponsesRequest,
     yield event("response.created", response=opening)
     yield event("response.in_progress", response=opening)
     reader = job.tool_calls.reader() if job.tool_calls is not None else None
+    thinker = ThoughtReader(job.reasoning) if job.reasoning is not None else None
     items, choice = _Items(event), Choice()
     async with aclosing(events):
         async for _index, delta in events:
             choice.add(delta)
+            text, last = delta.text, delta.finish is not None
+            if thinker is not None:
+                thought, text = thinker.read(text, last)
+                items.thought(thought)
             if reader is None:
-                said = [*items.text(delta.text)] if delta.text else []
+                said = items.text(text) if text else []
             else:
-                told = reader.read(delta.text, last=delta.finish is not None)
+                told = reader.read(text, last)
                 said = items.text(told.content) if told.content else []
                 for piece in told.calls:
                     said += items.call(piece)

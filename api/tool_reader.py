@@ -72,7 +72,7 @@ class CallReader:
             if self._state == "text":
                 at = self._pending.find(OPEN)
                 if at < 0:
-                    keep = 0 if final else _partial_tail(self._pending, OPEN)
+                    keep = 0 if final else partial_tail(self._pending, OPEN)
                     self._say(said, self._pending[:len(self._pending) - keep])
                     self._pending = self._pending[len(self._pending) - keep:]
                     return
@@ -126,7 +126,7 @@ class CallReader:
         self._space = held[len(body):]
 
 
-def _partial_tail(text: str, tag: str) -> int:
+def partial_tail(text: str, tag: str) -> int:
     """The length of the longest end of `text` that begins `tag`."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-size:]):
@@ -149,7 +149,7 @@ def _without_closing(given: str, rest: str, certain: bool) -> str:
     only if the arguments before that brace are whole JSON."""
     body = rest.rstrip()
     if not certain:  # its closing tag, cut short
-        body = body[:len(body) - _partial_tail(body, CLOSE)].rstrip()
+        body = body[:len(body) - partial_tail(body, CLOSE)].rstrip()
     if body.endswith("}"):
         inner = body[:-1].rstrip()
         if certain:

@@ -1,0 +1,64 @@
+# A reasoning model's thinking told apart from its answer: what it writes inside
+# <think>...</think> (Qwen3, DeepSeek-R1 and the models distilled from it) goes out as
+# `reasoning_content`, the rest as the reply. A chat template that opens the block
+# itself (DeepSeek-R1's prompt ends with "<think>\n") starts the output inside it.
+
+from __future__ import annotations
+
+from api.tool_reader import partial_tail
+from pipeline.tokenizer import Tokenizer
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+def reasoning_start(tokenizer: Tokenizer, prompt_ids: list[int]) -> str | None:
+    """None for a model that does not think in tags (its chat template never closes
+    a <think> block); else "inside" where the prompt opened the block, "before"."""
+    if CLOSE not in (tokenizer.chat_template or ""):
+        return None
+    tail = tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False).rstrip()
+    return "inside" if tail.endswith(OPEN) else "before"
+
+
+class ThoughtReader:
+    """One choice's output, read piece by piece: each read gives (thought, answer)."""
+
+    def __init__(self, start: str):
+        self.reasoning, self.content = "", ""
+        self._state = "opened" if start == "inside" else "start"
+        self._pending = ""
+
+    def read(self, text: str, last: bool = False) -> tuple[str, str]:
+        """What `text` adds to the thought and to the answer; `last`: the output ends."""
+        self._pending += text
+        thought = answer = ""
+        while True:
+            if self._state == "start":  # the output may open with a thought
+                head = self._pending.lstrip()
+                if head.startswith(OPEN):
+                    self._pending, self._state = head[len(OPEN):], "opened"
+                elif OPEN.startswith(head) and not last:
+                    break
+                else:
+                    self._state = "answer"
+            elif self._state in ("opened", "closed"):  # whitespace after a tag is the tag's
+                self._pending = self._pending.lstrip()
+                if not self._pending and not last:
+                    break
+                self._state = "thinking" if self._state == "opened" else "answer"
+            elif self._state == "thinking":
+                at = self._pending.find(CLOSE)
+                if at >= 0:
+                    thought += self._pending[:at]
+                    self._pending, self._state = self._pending[at + len(CLOSE):], "closed"
+                    continue
+                keep = 0 if last else partial_tail(self._pending, CLOSE)
+                thought += self._pending[:len(self._pending) - keep]
+                self._pending = self._pending[len(self._pending) - keep:]
+                break
+            else:
+                answer, self._pending = answer + self._pending, ""
+                break
+        self.reasoning += thought
+        self.content += answer
+        return thought, answer
