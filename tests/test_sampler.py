@@ -8,6 +8,7 @@ import math
 import torch
 
 from pipeline.messages import Sampling
+from workers.scheduler.grammar import penalty_bitwise, penalty_shifted
 from workers.scheduler.sampler import (
     Sampler,
     apply_filters,
@@ -138,3 +139,16 @@ def test_plain_greedy_says_when_the_raw_argmax_is_every_pick():
     held = Sampling(temperature=0.0, min_tokens=3)
     assert not plain_greedy([seq(held, stop_ids=frozenset({3}))])
     assert plain_greedy([seq(held, output=[4, 5, 6], stop_ids=frozenset({3}))])
+
+
+def test_a_grammars_bitmask_bars_the_same_tokens_either_way():
+    """The CPU's bitwise penalty equals torch's shifted one (a GPU's): 0 where a token's
+    bit is set, -inf where not, a vocabulary that ends inside a 32-bit word included."""
+    vocab = 49155
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, (vocab + 31) // 32), dtype=torch.int32)
+    bitwise = penalty_bitwise(bitmask, vocab)
+    assert bitwise.shape == (5, vocab) and torch.equal(bitwise, penalty_shifted(bitmask, vocab))
+    token = 32 * 7 + 5
+    allowed = bool(bitmask[2, 7] >> 5 & 1)
+    assert bitwise[2, token].item() == (0.0 if allowed else -math.inf)
+    assert set(bitwise.unique().tolist()) == {0.0, -math.inf}

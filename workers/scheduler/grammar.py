@@ -5,17 +5,20 @@
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from collections import OrderedDict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pipeline.errors import InvalidRequest
 from pipeline.messages import Structure
 
 ANY_OBJECT = '{"type": "object"}'
+BARRED = np.uint32(0xFF800000)  # -inf's bits as a float32
 CACHED = 64  # compiled grammars kept, least recently used dropped
 # xgrammar's errors begin with a time and its C++ source's place: not the client's business
 SOURCE_PREFIX = re.compile(r"^\[[^]]*\] \S+:\d+: (Check failed: .*? is false: )?")
@@ -107,19 +110,34 @@ def _what(structure: Structure) -> str:
 
 def constrain(logits: torch.Tensor, matchers: list) -> torch.Tensor:
     """Rows whose matcher is not None keep only the tokens it allows next (a copy
-    of `logits`, where any row is constrained)."""
+    of `logits`, where any row is constrained): a barred token's logit is -inf."""
     rows = [row for row, matcher in enumerate(matchers) if matcher is not None]
     if not rows:
         return logits
     import xgrammar
 
     vocab = logits.shape[-1]
-    bitmask = xgrammar.allocate_token_bitmask(len(rows), vocab)
+    bitmask = xgrammar.allocate_token_bitmask(len(rows), vocab)  # bit t of a row: t allowed
     for i, row in enumerate(rows):
         matchers[row].fill_next_token_bitmask(bitmask, i)
-    bits = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).flatten(1)[:, :vocab].bool()
-    logits = logits.clone()
+    if logits.device.type == "cpu":
+        penalty = penalty_bitwise(bitmask, vocab)
+    else:
+        penalty = penalty_shifted(bitmask.to(logits.device), vocab)
     index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
-    return logits
+    return logits.index_add(0, index, penalty.to(logits.dtype))
+
+
+def penalty_bitwise(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] float32 to add to logits: 0 where a bit allows the token, -inf
+    where it bars it. numpy's unpacking, -inf made as bits: on a Zen 4 core 0.23 ms for
+    16 rows where torch's shifts took 2.9 (`bench/grammar_mask.py`)."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(((bits[:, :vocab] ^ 1).astype(np.uint32) * BARRED).view(np.float32))
+
+
+def penalty_shifted(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """penalty_bitwise's result by torch's ops, on the bitmask's device (a GPU's)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab]
+    return torch.zeros(bits.shape, device=bitmask.device).masked_fill(bits == 0, -math.inf)
