@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Request
 
 from api.chat_prompt import chat_prompt_ids
 from api.protocol import ChatRequest, CompletionRequest, OpenAIRequest
-from api.reasoning import reasoning_start
+from api.reasoning import reasoning_start, think_first
 from api.responses import Job, stream_chunks, whole_response
 from api.sampling import MAX_PROMPTS, check_prompt, structure_of, to_sampling
 from api.served import Served, served
@@ -58,12 +58,14 @@ def chat_job(body: ChatRequest, s: Served) -> Job:
                                               template_kwargs=body.chat_template_kwargs),
                               s.limits, "messages")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    structure = calls.structure() if calls else structure_of(body.response_format)
+    reasoning = reasoning_start(s.tokenizer, prompt_ids)
+    structure = think_first(calls.structure() if calls else structure_of(body.response_format),
+                            reasoning)
     sampling = to_sampling(body, num_prompt_tokens=len(prompt_ids), limits=s.limits,
                            num_logprobs=num_logprobs, logprobs_param="top_logprobs",
                            structure=structure)
     return _job(body, s, True, [prompt_ids], per_choice(sampling, body.n), tool_calls=calls,
-                reasoning=reasoning_start(s.tokenizer, prompt_ids))
+                reasoning=reasoning)
 
 
 @router.post("/v1/completions")

@@ -5,19 +5,46 @@
 
 from __future__ import annotations
 
+import json
+
 from api.tool_reader import partial_tail
+from pipeline.messages import Structure
 from pipeline.tokenizer import Tokenizer
 
 OPEN, CLOSE = "<think>", "</think>"
+CLOSINGS = [CLOSE + "\n\n", CLOSE + "\n", CLOSE]  # the whitespace before an answer is the tag's
 
 
 def reasoning_start(tokenizer: Tokenizer, prompt_ids: list[int]) -> str | None:
     """None for a model that does not think in tags (its chat template never closes
-    a <think> block); else "inside" where the prompt opened the block, "before"."""
+    a <think> block) or where the prompt closed the block (Qwen3's enable_thinking
+    false); else "inside" where the prompt opened it, "before"."""
     if CLOSE not in (tokenizer.chat_template or ""):
         return None
     tail = tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False).rstrip()
+    if tail.endswith(CLOSE):
+        return None
     return "inside" if tail.endswith(OPEN) else "before"
+
+
+def think_first(structure: Structure | None, start: str | None) -> Structure | None:
+    """`structure` (response_format's, or tool calls') held only after a thought: a
+    reasoning model thinks first, as it was trained to, then answers in the structure."""
+    if structure is None or start is None:
+        return structure
+    if structure.kind == "structural_tag":
+        answer = json.loads(structure.schema)["format"]
+    else:
+        schema = json.loads(structure.schema) if structure.kind == "json_schema" \
+            else {"type": "object"}
+        answer = {"type": "json_schema", "json_schema": schema}
+    thought = {"type": "tag", "begin": "" if start == "inside" else OPEN,
+               "content": {"type": "any_text"}, "end": CLOSINGS}
+    if start == "before":  # a model may answer without a thought
+        thought = {"type": "optional", "content": thought}
+    form = {"type": "sequence", "elements": [thought, answer]}
+    return Structure(kind="structural_tag",
+                     schema=json.dumps({"type": "structural_tag", "format": form}))
 
 
 class ThoughtReader:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from api.reasoning import ThoughtReader, think_first
 from pipeline.config import SchedulerConfig
 from pipeline.errors import ContextLengthExceeded, InvalidRequest
 from pipeline.messages import Sampling, Structure
@@ -338,6 +339,29 @@ def test_a_json_schema_holds_the_output_and_a_continuation_resumes_inside_it(
         engine.add(EngineRequest("bad tool", ids, [], Sampling(structure=Structure(
             kind="structural_tag", schema=json.dumps(tag)))))
     assert refused.value.param == "tools"
+
+
+@pytest.mark.parametrize(("start", "delivered", "thought"), [
+    ("before", "<think>\nWho is famous? Ada.\n</think>\n\n", "Who is famous? Ada.\n"),
+    ("inside", "Ada Lovelace.</think>", "Ada Lovelace."),
+    ("before", "", None),
+])
+def test_a_reasoning_model_thinks_before_its_structured_answer(engine, tokenizer, start,
+                                                               delivered, thought):
+    """think_first: a thought (here delivered, as a continuation would be) is free text,
+    and the answer after it is held to the schema; undelivered, the model may think."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Name a famous person."}],
+                                        add_generation_prompt=True, tokenize=True)["input_ids"]
+    structure = think_first(Structure(kind="json_schema", schema=json.dumps(PERSON)), start)
+    assert structure.kind == "structural_tag"
+    given = tokenizer.encode(delivered, add_special_tokens=False)
+    sampling = Sampling(max_tokens=80, temperature=0.0, structure=structure)
+    rest = run_all(engine, [EngineRequest("r", ids, given, sampling)])["r"]
+    reader = ThoughtReader(start)
+    said, answer = reader.read(tokenizer.decode(given + rest, skip_special_tokens=True),
+                               last=True)
+    assert thought is None or said == thought
+    assert set(json.loads(answer)) == {"name", "age"}
 
 
 def test_greedy_picks_in_the_lm_heads_kernel_equal_the_samplers(model_files, prompt_ids):

@@ -56,6 +56,8 @@ def test_the_chat_template_says_whether_and_where_a_model_thinks(model_files, tm
     prompt = opens.encode(opens.apply_chat_template([{"role": "user", "content": "hi"}]))
     assert reasoning_start(opens, prompt) == "inside"
     assert reasoning_start(opens, opens.encode("hi")) == "before"
+    # Qwen3's enable_thinking false: the prompt closes an empty thought; none follows
+    assert reasoning_start(opens, opens.encode("hi<think>\n\n</think>\n\n")) is None
 
 
 def _job(**fields) -> Job:
