@@ -93,7 +93,8 @@ def tool_calls(body: ChatRequest, tokenizer: Tokenizer) -> ToolCalls | None:
                                  'not read; use "required" or name a function',
                                  param="tool_choice")
         return ToolCalls(tools, required=choice == "required", parallel=parallel)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or name not in names:
         raise InvalidRequest('tool_choice must be "none", "auto", "required", or '
                              '{"type": "function", "function": {"name": one of the tools}}',

@@ -196,6 +196,7 @@ F = {"type": "function", "function": {"name": "f"}}
     ({"tools": [F], "tool_choice": {"type": "function", "function": {"name": "g"}}},
      "tool_choice"),
     ({"tools": [F], "tool_choice": "always"}, "tool_choice"),
+    ({"tools": [F], "tool_choice": {"type": "function", "function": "f"}}, "tool_choice"),
     ({"tools": [F, F], "tool_choice": "required"}, "tools"),
     ({"tools": [F], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice"),
