@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from api.protocol import ChatMessage, ContentPart
-from api.tool_reader import CLOSE, OPEN
+from api.tool_reader import HERMES
 from api.tools import shows_tools, tools_message
 from pipeline.errors import InvalidRequest
 from pipeline.tokenizer import Tokenizer
@@ -67,7 +67,7 @@ def _template_message(message: ChatMessage, index: int, native: bool) -> dict:
                 for call, (name, arguments) in zip(message.tool_calls, calls, strict=True)]
         else:
             written = "\n".join(
-                f'{OPEN}\n{json.dumps({"name": name, "arguments": arguments})}\n{CLOSE}'
+                HERMES.opening + json.dumps({"name": name, "arguments": arguments}) + HERMES.closing
                 for name, arguments in calls)
             item["content"] = f"{content}\n{written}" if content else written
     return item

@@ -1,8 +1,9 @@
-# Reading a chat's output for tool calls as it streams, in the one format this server
-# asks a model for (Hermes's, which Qwen2.5 and Qwen3 are trained on):
-#     <tool_call>\n{"name": "NAME", "arguments": ARGUMENTS}\n</tool_call>
-# Text outside the tags is the message's content. A call's arguments go out as they
-# come; a tail that may yet turn out to be a tag (or a call's closing) waits until known.
+# Reading a chat's output for tool calls as it streams. A call is a JSON object
+# {"name": NAME, ARGUMENTS_KEY: {...}} in the model's format (CallFormat): Hermes's
+# <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call> (Qwen2.5, Qwen3, and the
+# format we ask of a model whose template knows no tools), or Llama 3's bare
+# {"name": ..., "parameters": ...}. Text outside calls is the message's content. A
+# call's arguments go out as they come; where they end is found by their braces.
 
 from __future__ import annotations
 
@@ -11,8 +12,26 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
+
+@dataclass(frozen=True)
+class CallFormat:
+    opening: str  # before a call's object: its tag, or nothing
+    arguments: str  # the key its arguments go under
+    closing: str  # after its object
+    separator: str  # between calls, where the output makes several
+    trigger: str  # what in text begins a call
+
+    def begin(self, name: str) -> str:
+        """A call's text up to its arguments."""
+        return f'{self.opening}{{"name": {json.dumps(name)}, "{self.arguments}": '
+
+    def header(self) -> re.Pattern:
+        return re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"'
+                          + self.arguments + r'"\s*:\s*(?=\S)')
+
+
+HERMES = CallFormat("<tool_call>\n", "arguments", "\n</tool_call>", "\n", "<tool_call>")
+LLAMA = CallFormat("", "parameters", "", "; ", '{"name"')
 
 
 @dataclass
@@ -26,12 +45,11 @@ class Said:
     def call_piece(self, index: int, arguments: str, opening: dict | None = None) -> None:
         if self.calls and self.calls[-1]["index"] == index:  # one piece a call a delta
             self.calls[-1]["function"]["arguments"] += arguments
-        elif opening is not None or arguments:
-            piece = {"index": index, **(opening or {}), "function": {"arguments": arguments}}
-            if opening is not None:
-                piece["function"] = {"name": opening.pop("name"), "arguments": arguments}
-                piece |= opening
-            self.calls.append(piece)
+        elif opening is not None:
+            self.calls.append({"index": index, "id": opening["id"], "type": "function",
+                               "function": {"name": opening["name"], "arguments": arguments}})
+        elif arguments:
+            self.calls.append({"index": index, "function": {"arguments": arguments}})
 
     def delta(self) -> dict:
         out = {"content": self.content} if self.content else {}
@@ -39,16 +57,17 @@ class Said:
 
 
 class CallReader:
-    """One choice's output, read piece by piece.
-    `name`: the output is that function's arguments alone (tool_choice naming it)."""
+    """One choice's output, read piece by piece. `name`: the output is that function's
+    arguments alone (tool_choice naming it)."""
 
-    def __init__(self, name: str | None = None):
-        self.bare = name is not None
+    def __init__(self, form: CallFormat = HERMES, name: str | None = None):
+        self.form, self.bare, self._header = form, name is not None, form.header()
         self.calls: list[dict] = []  # whole, in the message's shape
         self.content = ""
         self._state = "text"
         self._pending = ""  # read, not yet given out
         self._space = ""  # content's trailing whitespace, held: it may only lead to a call
+        self._depth, self._in_string, self._escaped = 0, False, False  # the arguments' JSON
         self._unsaid = Said()  # a named call's opening, said with the first read
         if name is not None:
             self._start(name, self._unsaid)
@@ -57,61 +76,94 @@ class CallReader:
         """What `text` adds; `last`: the output ends with it, so nothing is held back."""
         said, self._unsaid = self._unsaid, Said()
         self._pending += text
-        self._advance(said, final=last)
+        while self._step(said, last):
+            pass
         if last:
             if self._state == "header":  # cut before its name: it was text after all
-                self._say(said, OPEN + self._pending)
+                self._say(said, self.form.trigger if self.form.opening else "")
+                self._say(said, self._pending)
             if not self.calls:
                 said.content += self._space
                 self.content += self._space
             self._pending = self._space = ""
         return said
 
-    def _advance(self, said: Said, final: bool) -> None:
-        while True:
-            if self._state == "text":
-                at = self._pending.find(OPEN)
-                if at < 0:
-                    keep = 0 if final else partial_tail(self._pending, OPEN)
-                    self._say(said, self._pending[:len(self._pending) - keep])
-                    self._pending = self._pending[len(self._pending) - keep:]
-                    return
-                self._say(said, self._pending[:at])
-                self._pending, self._state = self._pending[at + len(OPEN):], "header"
-                self._space = ""
-            elif self._state == "header":
-                match = HEADER.match(self._pending)
-                if match is None:
-                    return
-                self._start(json.loads(f'"{match[1]}"'), said)
-                self._pending = self._pending[match.end():]
-            else:
-                if not self._arguments(said, final):
-                    return
+    def _step(self, said: Said, last: bool) -> bool:
+        """One move of the reading; False once it waits for more text."""
+        if self._state == "text":
+            at = self._pending.find(self.form.trigger)
+            if at < 0:
+                keep = 0 if last else partial_tail(self._pending, self.form.trigger)
+                self._say(said, self._pending[:len(self._pending) - keep])
+                self._pending = self._pending[len(self._pending) - keep:]
+                return False
+            self._say(said, self._pending[:at])
+            skip = len(self.form.trigger) if self.form.opening else 0  # a bare object stays
+            self._pending, self._state, self._space = self._pending[at + skip:], "header", ""
+            return True
+        if self._state == "header":
+            match = self._header.match(self._pending)
+            if match is None:
+                return False
+            self._start(json.loads(f'"{match[1]}"'), said)
+            self._pending = self._pending[match.end():]
+            return True
+        if self._state == "arguments":
+            return self._arguments(said)
+        return self._close(last)
 
-    def _arguments(self, said: Said, final: bool) -> bool:
-        """Give out the current call's arguments read so far; True once it closed."""
-        end = self._pending.find(CLOSE)
-        if not self.bare and (end >= 0 or final):
-            rest = self._pending[:end] if end >= 0 else self._pending
-            given = self.calls[-1]["function"]["arguments"]
-            self._give(said, _without_closing(given, rest, certain=end >= 0))
-            self._pending = self._pending[end + len(CLOSE):] if end >= 0 else ""
-            self._state = "text"
-            return end >= 0
-        keep = 0 if self.bare else _closing_tail(self._pending)
-        self._give(said, self._pending[:len(self._pending) - keep])
-        self._pending = self._pending[len(self._pending) - keep:]
-        return False
+    def _arguments(self, said: Said) -> bool:
+        """Give out the arguments read so far, up to where their object closes."""
+        end = len(self._pending)
+        for at, char in enumerate(self._pending):
+            if self._escaped:
+                self._escaped = False
+            elif self._in_string:
+                self._escaped = char == "\\"
+                self._in_string = char != '"'
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0 and not self.bare:
+                    end = at + 1
+                    self._state = "closing"
+                    break
+        self._give(said, self._pending[:end])
+        self._pending = self._pending[end:]
+        return self._state == "closing"
 
-    def _start(self, name: str, said: Said) -> dict:
+    def _close(self, last: bool) -> bool:
+        """Past a call's object and its closing tag; text again after them."""
+        rest = self._pending.lstrip()
+        if not rest.startswith("}"):  # the object's end not yet read (or never written)
+            if not rest and not last:
+                return False
+            self._pending, self._state = rest, "text"
+            return True
+        after, closing = rest[1:].lstrip(), self.form.closing.strip()
+        if closing and after.startswith(closing):
+            after = after[len(closing):]
+        elif closing and closing.startswith(after):  # the tag may be on its way
+            if not last:
+                return False
+            after = ""
+        separator, head = self.form.separator.strip(), after.lstrip()
+        if separator and head.startswith(separator):  # Llama's "; " before another call
+            after = head[len(separator):]
+        elif separator and separator.startswith(head) and not last:
+            return False
+        self._pending, self._state = after, "text"
+        return True
+
+    def _start(self, name: str, said: Said) -> None:
         call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                 "function": {"name": name, "arguments": ""}}
         self.calls.append(call)
-        said.call_piece(len(self.calls) - 1, "", {"id": call["id"], "type": "function",
-                                                  "name": name})
-        self._state = "arguments"
-        return call
+        said.call_piece(len(self.calls) - 1, "", {"id": call["id"], "name": name})
+        self._state, self._depth, self._in_string, self._escaped = "arguments", 0, False, False
 
     def _give(self, said: Said, arguments: str) -> None:
         self.calls[-1]["function"]["arguments"] += arguments
@@ -132,31 +184,3 @@ def partial_tail(text: str, tag: str) -> int:
         if tag.startswith(text[-size:]):
             return size
     return 0
-
-
-def _closing_tail(text: str) -> int:
-    """The length of the end of a call's text that may be its closing `}` and tag: from
-    its last brace, where what follows may still become `</tool_call>`."""
-    at = text.rfind("}")
-    if at >= 0 and CLOSE.startswith(text[at + 1:].lstrip()):
-        return len(text) - at
-    return 0
-
-
-def _without_closing(given: str, rest: str, certain: bool) -> str:
-    """The rest of a call's arguments: `rest` (what follows those `given`) less the brace
-    that closes the call's own object. Where the call was cut short (not `certain`),
-    only if the arguments before that brace are whole JSON."""
-    body = rest.rstrip()
-    if not certain:  # its closing tag, cut short
-        body = body[:len(body) - partial_tail(body, CLOSE)].rstrip()
-    if body.endswith("}"):
-        inner = body[:-1].rstrip()
-        if certain:
-            return inner
-        try:
-            json.loads(given + inner)
-            return inner
-        except ValueError:
-            pass
-    return body if certain else rest

@@ -1,10 +1,11 @@
-# Tool calls. The model is asked for them in Hermes's format (api/tool_reader.py), and
-# structured output holds it to that format and each function's parameters schema:
+# Tool calls. The model is asked for them in its own format (api/tool_reader.py: Llama
+# 3's where its template asks for that, else Hermes's), and structured output holds it
+# to that format and each function's parameters schema:
 # - tool_choice naming a function: the output is that function's arguments alone;
 # - "required": one or more calls and nothing else;
 # - "auto": text, with calls where the model makes them.
-# A chat template that shows tools itself gets them (Qwen's asks for this very format);
-# for one that ignores them, a system message describes the tools and the format.
+# A chat template that shows tools itself gets them; for one that ignores them, a
+# system message describes the tools and Hermes's format.
 
 from __future__ import annotations
 
@@ -12,13 +13,12 @@ import json
 from dataclasses import dataclass
 
 from api.protocol import ChatRequest
-from api.tool_reader import OPEN, CallReader
+from api.tool_reader import HERMES, LLAMA, CallFormat, CallReader
 from pipeline.errors import InvalidRequest
 from pipeline.messages import Structure
 from pipeline.tokenizer import Tokenizer
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
-CALL_END = "}\n</tool_call>"
 
 
 @dataclass(frozen=True)
@@ -30,25 +30,27 @@ class ToolCalls:
     name: str | None = None
     required: bool = False
     parallel: bool = True
+    form: CallFormat = HERMES
 
     def structure(self) -> Structure:
         if self.name is not None:
             return Structure(kind="json_schema", schema=dict(self.tools)[self.name])
-        tags = [{"type": "tag", "begin": f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": ',
+        tags = [{"type": "tag", "begin": self.form.begin(name),
                  "content": {"type": "json_schema", "json_schema": json.loads(parameters)},
-                 "end": CALL_END} for name, parameters in self.tools]
+                 "end": "}" + self.form.closing} for name, parameters in self.tools]
         stop_after_first = not self.parallel
-        if self.required:  # calls, one a line, nothing else
-            form = {"type": "tags_with_separator", "tags": tags, "separator": "\n",
-                    "at_least_one": True, "stop_after_first": stop_after_first}
+        if self.required:  # calls and nothing else
+            form = {"type": "tags_with_separator", "tags": tags,
+                    "separator": self.form.separator, "at_least_one": True,
+                    "stop_after_first": stop_after_first}
         else:
-            form = {"type": "triggered_tags", "triggers": [OPEN], "tags": tags,
+            form = {"type": "triggered_tags", "triggers": [self.form.trigger], "tags": tags,
                     "stop_after_first": stop_after_first}
         return Structure(kind="structural_tag",
                          schema=json.dumps({"type": "structural_tag", "format": form}))
 
     def reader(self) -> CallReader:
-        return CallReader(self.name)
+        return CallReader(self.form, self.name)
 
     def finish_reason(self, reader: CallReader, finish: str | None) -> str | None:
         # OpenAI's: a named function's call ends with "stop", a chosen one's "tool_calls"
@@ -84,22 +86,33 @@ def tool_calls(body: ChatRequest, tokenizer: Tokenizer) -> ToolCalls | None:
         raise InvalidRequest("tools' function names must differ", param="tools")
     tools = tuple((tool.function.name, json.dumps(tool.function.parameters or EMPTY_PARAMETERS))
                   for tool in body.tools)
-    parallel = body.parallel_tool_calls
+    parallel, form = body.parallel_tool_calls, call_format(tokenizer)
     if choice in ("auto", "required"):
-        # "required" holds any model to the format; "auto" needs one that knows it
-        if choice == "auto" and shows_tools(tokenizer) and OPEN not in tokenizer.chat_template:
+        # "required" holds any model to a format; "auto" needs one that knows it
+        if choice == "auto" and form is None:
             raise InvalidRequest('tool_choice "auto" is not supported for this model: its chat '
                                  "template asks for tool calls in a format this server does "
                                  'not read; use "required" or name a function',
                                  param="tool_choice")
-        return ToolCalls(tools, required=choice == "required", parallel=parallel)
+        return ToolCalls(tools, required=choice == "required", parallel=parallel,
+                         form=form or HERMES)
     function = choice.get("function") if isinstance(choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or name not in names:
         raise InvalidRequest('tool_choice must be "none", "auto", "required", or '
                              '{"type": "function", "function": {"name": one of the tools}}',
                              param="tool_choice")
-    return ToolCalls(tools, name=name, parallel=parallel)
+    return ToolCalls(tools, name=name, parallel=parallel, form=form or HERMES)
+
+
+def call_format(tokenizer: Tokenizer) -> CallFormat | None:
+    """The tool-call format the model's template asks for: Hermes's where it says so or
+    shows no tools (we ask for it then), Llama 3's where it asks for "parameters";
+    None for another."""
+    template = tokenizer.chat_template or ""
+    if HERMES.trigger in template or not shows_tools(tokenizer):
+        return HERMES
+    return LLAMA if '"parameters"' in template else None
 
 
 def shows_tools(tokenizer: Tokenizer) -> bool:
@@ -114,5 +127,5 @@ def tools_message(tools: list[dict]) -> str:
     return ("# Tools\n\nYou may call one or more of these functions to answer the user. "
             f"Their signatures, one a line, in <tools></tools>:\n<tools>\n{lines}\n</tools>\n\n"
             "To call one, reply with its name and arguments as JSON in <tool_call></tool_call>:"
-            f'\n{OPEN}\n{{"name": <function name>, "arguments": <arguments object>}}\n'
-            "</tool_call>")
+            f'\n{HERMES.opening}{{"name": <function name>, "arguments": <arguments object>}}'
+            f"{HERMES.closing}")

@@ -4,18 +4,20 @@ chat template allows. The served round trip is in test_openai_client.py."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 
 from api.chat_prompt import chat_prompt_ids
 from api.protocol import ChatMessage, ChatRequest
-from api.tool_reader import CallReader
+from api.tool_reader import HERMES, LLAMA, CallReader
 from api.tools import ToolCalls, tool_calls
 from pipeline.errors import InvalidRequest
 from pipeline.tokenizer import Tokenizer
 from tests.harness import tokenizer_with_template
 from tests.test_api_validation import CHAT, assert_openai_error, serving
+from workers.scheduler.grammar import Grammars
 
 TWO_CALLS = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": '
              '{"city": "Pa}ris", "at": {"day": 1}}}\n</tool_call>\n<tool_call>\n'
@@ -62,6 +64,34 @@ def test_calls_read_in_any_pieces_are_the_calls_read_whole():
             c["arguments"] for c in calls.values()]
 
 
+def test_llama_3_calls_are_read_by_their_braces():
+    """Llama 3's format has no tags: a call is the bare object, its end the brace that
+    closes it (braces in strings do not count); calls are separated by "; "."""
+    rng = random.Random(11)
+    output = ('Checking. {"name": "get_weather", "parameters": {"city": "{Rome}", '
+              '"days": [1, 2]}}; {"name": "now", "parameters": {}}')
+    for _ in range(100):
+        reader = CallReader(LLAMA)
+        content, calls = read_in_pieces(output, reader, rng)
+        assert content == "Checking."
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+            ("get_weather", '{"city": "{Rome}", "days": [1, 2]}'), ("now", "{}")]
+    for _ in range(30):
+        text = 'No call: {"nam'
+        assert read_in_pieces(text, CallReader(LLAMA), rng) == (text, {})
+
+
+def test_each_formats_structures_compile(model_files):
+    """The structural tags tool calls are held by, for both formats and every choice."""
+    grammars = Grammars(model_files.path, 49152, [2])
+    tools = (("get_weather", json.dumps(WEATHER["function"]["parameters"])), ("now", "{}"))
+    for form in (HERMES, LLAMA):
+        for calls in (ToolCalls(tools, form=form), ToolCalls(tools, required=True, form=form),
+                      ToolCalls(tools, required=True, parallel=False, form=form),
+                      ToolCalls(tools, name="now", form=form)):
+            assert grammars.compile(calls.structure()) is not None
+
+
 def test_text_that_only_looks_like_a_call_is_content():
     rng = random.Random(8)
     text = "Hello <tool world </tool_call> {\"name\": 1}  "
@@ -70,7 +100,7 @@ def test_text_that_only_looks_like_a_call_is_content():
 
 
 def test_a_named_functions_output_is_its_arguments_as_they_come():
-    reader = CallReader("add")
+    reader = CallReader(name="add")
     first = reader.read('{"a": ')
     [opening] = first.delta()["tool_calls"]
     assert opening["function"] == {"name": "add", "arguments": '{"a": '}
@@ -149,6 +179,9 @@ def test_a_template_that_knows_tool_calls_gets_them_as_transformers_passes_them(
         tool_calls(body, tokenizer)
     required = tool_calls(body.model_copy(update={"tool_choice": "required"}), tokenizer)
     assert required is not None and required.required
+    # one that asks for Llama 3's {"name": ..., "parameters": ...}: "auto" in that format
+    llama = tokenizer_with_template(model_files, tmp_path, template + ' {"parameters": ...}')
+    assert tool_calls(body, llama).form is LLAMA
 
 
 @pytest.mark.parametrize(("messages", "param"), [
