@@ -32,6 +32,7 @@ class CallFormat:
 
 HERMES = CallFormat("<tool_call>\n", "arguments", "\n</tool_call>", "\n", "<tool_call>")
 LLAMA = CallFormat("", "parameters", "", "; ", '{"name"')
+MAX_HEADER = 256  # a call's start past which no name has come: text after all
 
 
 @dataclass
@@ -79,9 +80,6 @@ class CallReader:
         while self._step(said, last):
             pass
         if last:
-            if self._state == "header":  # cut before its name: it was text after all
-                self._say(said, self.form.trigger if self.form.opening else "")
-                self._say(said, self._pending)
             if not self.calls:
                 said.content += self._space
                 self.content += self._space
@@ -103,9 +101,16 @@ class CallReader:
             return True
         if self._state == "header":
             match = self._header.match(self._pending)
-            if match is None:
-                return False
-            self._start(json.loads(f'"{match[1]}"'), said)
+            name = _name(match)
+            if name is None:
+                if len(self._pending) <= MAX_HEADER and not last:
+                    return False  # the name may yet come
+                self._say(said, self.form.trigger if self.form.opening else "")
+                self._state = "text"  # no call after all: text, the trigger's own included
+                self._say(said, self._pending[:1])
+                self._pending = self._pending[1:]
+                return True
+            self._start(name, said)
             self._pending = self._pending[match.end():]
             return True
         if self._state == "arguments":
@@ -176,6 +181,13 @@ class CallReader:
             said.content += body
             self.content += body
         self._space = held[len(body):]
+
+
+def _name(match: re.Match | None) -> str | None:
+    try:
+        return None if match is None else json.loads(f'"{match[1]}"')
+    except ValueError:  # an escape JSON does not have
+        return None
 
 
 def partial_tail(text: str, tag: str) -> int:

@@ -76,9 +76,10 @@ def test_llama_3_calls_are_read_by_their_braces():
         assert content == "Checking."
         assert [(c["name"], c["arguments"]) for c in calls.values()] == [
             ("get_weather", '{"city": "{Rome}", "days": [1, 2]}'), ("now", "{}")]
-    for _ in range(30):
-        text = 'No call: {"nam'
-        assert read_in_pieces(text, CallReader(LLAMA), rng) == (text, {})
+    for text in ('No call: {"nam', '{"name": "Ann", "age": 3} is JSON, not a call.',
+                 '{"name": "' + "x" * 300 + '"}'):
+        for _ in range(30):
+            assert read_in_pieces(text, CallReader(LLAMA), rng) == (text, {})
 
 
 def test_each_formats_structures_compile(model_files):
