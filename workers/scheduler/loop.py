@@ -317,6 +317,7 @@ class Scheduler:
             if structure is not None and not self.engine.grammars.ready(structure):
                 compiling = asyncio.get_running_loop().run_in_executor(
                     self.grammar_thread, self.engine.grammars.compile, structure)
+                compiling.add_done_callback(_retrieved)  # its request may be gone by then
                 self.compiling[submit.request_id] = (compiling, run, time.monotonic())
             else:
                 self.engine.add(EngineRequest(submit.request_id, submit.prompt_ids,
@@ -341,7 +342,6 @@ class Scheduler:
             submit, structure = run.submit, run.submit.sampling.structure
             try:
                 if not compiling.done():
-                    compiling.add_done_callback(_retrieved)
                     raise InvalidRequest(f"{field_of(structure)} did not compile within "
                                          f"{self.compile_limit_s:g} s", param=field_of(structure))
                 self.engine.grammars.keep(structure, compiling.result())
@@ -423,7 +423,7 @@ class Scheduler:
 
 
 def _retrieved(future: asyncio.Future) -> None:
-    """An abandoned compile's outcome, taken so asyncio does not log it as lost."""
+    """A compile's outcome, taken so asyncio does not log an abandoned one's as lost."""
     if not future.cancelled():
         future.exception()
 
