@@ -166,9 +166,7 @@ class GenerateRequest(BaseModel):
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
-        if (self.text is None) == (self.input_ids is None):
-            raise ValueError("give exactly one of text or input_ids")
-        return self
+        return _exactly_one(self, "text", "input_ids")
 
 
 class TokenizeRequest(BaseModel):
@@ -185,9 +183,7 @@ class TokenizeRequest(BaseModel):
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
-        return self
+        return _exactly_one(self, "prompt", "messages")
 
 
 class DetokenizeRequest(BaseModel):
@@ -231,3 +227,10 @@ class ResponsesRequest(SamplingFields):
         lacking = ("previous_response_id", "conversation", "background", "reasoning",
                    "include", "top_logprobs")
         return next((name for name in lacking if getattr(self, name)), None)
+
+
+def _exactly_one(body: BaseModel, first: str, second: str):
+    """`body`, where exactly one of the two fields is given."""
+    if (getattr(body, first) is None) == (getattr(body, second) is None):
+        raise ValueError(f"give exactly one of {first} or {second}")
+    return body

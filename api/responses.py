@@ -8,10 +8,8 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from api.reasoning import ThoughtReader
 from api.streaming import Choice, Event, Run
-from api.tool_reader import CallReader
-from api.tools import ToolCalls
+from api.tools import OutputReader, ToolCalls
 from pipeline.messages import Delta, Sampling, TokenLogprob
 from pipeline.tokenizer import Tokenizer
 
@@ -67,17 +65,13 @@ def _choice(job: Job, tokenizer: Tokenizer, index: int, choice: Choice) -> dict:
     if job.echo:
         return _echoed(job, tokenizer, index, choice, choice.text, choice.logprobs)
     logprobs = _logprobs(job, tokenizer, choice.logprobs, 0) if job.wants_logprobs else None
-    finish, text, thought = choice.finish, choice.text, {}
-    if job.reasoning is not None:
-        reasoning, text = ThoughtReader(job.reasoning).read(text, last=True)
-        thought = {"reasoning_content": reasoning or None}
-    if job.tool_calls is not None:
-        message, finish = job.tool_calls.message(text, finish)
-        content = {"message": message | thought}
-    elif job.is_chat:
-        content = {"message": {"role": "assistant", "content": text} | thought}
+    finish = choice.finish
+    if job.is_chat:
+        reader = OutputReader(job.tool_calls, job.reasoning)
+        reader.read(choice.text, last=True)
+        content, finish = {"message": reader.message()}, reader.finish_reason(finish)
     else:
-        content = {"text": text}
+        content = {"text": choice.text}
     return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish}
 
 
@@ -102,8 +96,8 @@ async def stream_chunks(job: Job, tokenizer: Tokenizer,
     role, an echo leads each choice's first chunk with its prompt, and `include_usage`
     adds a last chunk with usage and no choices."""
     choices = [Choice() for _ in job.samplings]
-    readers = [job.tool_calls.reader() for _ in choices] if job.tool_calls else []
-    thinkers = [ThoughtReader(job.reasoning) for _ in choices] if job.reasoning else []
+    read = job.tool_calls is not None or job.reasoning is not None
+    readers = [OutputReader(job.tool_calls, job.reasoning) for _ in choices] if read else []
     echoed = [0] * len(choices)  # the length of each choice's echoed prompt text
     async with aclosing(events):
         if job.is_chat:
@@ -120,10 +114,8 @@ async def stream_chunks(job: Job, tokenizer: Tokenizer,
                                        delta.logprobs or [])
                 echoed[index] = len(chunk_choice["text"]) - len(delta.text)
                 yield job.envelope(is_chunk=True) | {"choices": [chunk_choice]}
-            elif readers or thinkers:  # thought, content and calls, each once known
-                chunk_choice = _read_choice(job, tokenizer, index, delta,
-                                            readers[index] if readers else None,
-                                            thinkers[index] if thinkers else None)
+            elif readers:  # thought, content and calls, each once known
+                chunk_choice = _read_choice(job, tokenizer, index, delta, readers[index])
                 if chunk_choice is not None:
                     yield job.envelope(is_chunk=True) | {"choices": [chunk_choice]}
             elif delta.text or delta.logprobs or delta.finish is not None:
@@ -134,22 +126,17 @@ async def stream_chunks(job: Job, tokenizer: Tokenizer,
 
 
 def _read_choice(job: Job, tokenizer: Tokenizer, index: int, delta: Delta,
-                 calls: CallReader | None, thoughts: ThoughtReader | None) -> dict | None:
+                 reader: OutputReader) -> dict | None:
     """A chat chunk's choice where the output is read for thought or calls; None where
     this delta tells nothing yet (a tag, maybe, held back)."""
-    last, text, said, finish = delta.finish is not None, delta.text, {}, delta.finish
-    if thoughts is not None:
-        thought, text = thoughts.read(text, last)
-        said = {"reasoning_content": thought} if thought else {}
-    if calls is not None:
-        said |= calls.read(text, last).delta()
-        finish = job.tool_calls.finish_reason(calls, delta.finish)
-    elif text:
-        said["content"] = text
+    last = delta.finish is not None
+    thought, said = reader.read(delta.text, last)
+    told = ({"reasoning_content": thought} if thought else {}) | said.delta()
     logprobs = _logprobs(job, tokenizer, delta.logprobs, 0) if delta.logprobs else None
-    if not said and not last and logprobs is None:
+    if not told and not last and logprobs is None:
         return None
-    return {"index": index, "delta": said, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "delta": told, "logprobs": logprobs,
+            "finish_reason": reader.finish_reason(delta.finish)}
 
 
 def _chunk_choice(job: Job, tokenizer: Tokenizer, index: int, delta: Delta,

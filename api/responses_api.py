@@ -19,11 +19,11 @@ from fastapi import APIRouter, Depends, Request
 from api.errors import as_pipeline_error
 from api.openai_routes import chat_job, job_events
 from api.protocol import ResponsesRequest
-from api.reasoning import ThoughtReader
 from api.responses import Job
 from api.responses_input import responses_param, to_chat
 from api.served import Served, served
 from api.streaming import Choice, Event, EventStream, collect, started
+from api.tools import OutputReader
 from pipeline.errors import PipelineError
 
 router = APIRouter()
@@ -60,16 +60,12 @@ def _shell(job: Job, body: ResponsesRequest, status: str, output: list, usage=No
 def _finished(job: Job, body: ResponsesRequest, choice: Choice, output: list | None = None):
     """The whole response: `output` as streamed, or made from the choice's text."""
     if output is None:
-        thought, content, calls = "", choice.text, []
-        if job.reasoning is not None:
-            thought, content = ThoughtReader(job.reasoning).read(content, last=True)
-        if job.tool_calls is not None:
-            reader = job.tool_calls.reader()
-            reader.read(content, last=True)
-            content, calls = reader.content, reader.calls
-        output = [_reasoning(_id("rs"), thought)] if thought else []
-        output += [_message(_id("msg"), content, "completed")] if content or not calls else []
-        output += [_call(_id("fc"), call, "completed") for call in calls]
+        reader = OutputReader(job.tool_calls, job.reasoning)
+        reader.read(choice.text, last=True)
+        output = [_reasoning(_id("rs"), reader.thought)] if reader.thought else []
+        if reader.content or not reader.calls:
+            output.append(_message(_id("msg"), reader.content, "completed"))
+        output += [_call(_id("fc"), call, "completed") for call in reader.calls]
     usage = job.usage([choice])
     usage = {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
              "output_tokens": usage["completion_tokens"],
@@ -187,23 +183,15 @@ async def _events(job: Job, body: ResponsesRequest,
     opening = _shell(job, body, "in_progress", [])
     yield event("response.created", response=opening)
     yield event("response.in_progress", response=opening)
-    reader = job.tool_calls.reader() if job.tool_calls is not None else None
-    thinker = ThoughtReader(job.reasoning) if job.reasoning is not None else None
-    items, choice = _Items(event), Choice()
+    reader, items, choice = OutputReader(job.tool_calls, job.reasoning), _Items(event), Choice()
     async with aclosing(events):
         async for _index, delta in events:
             choice.add(delta)
-            text, last = delta.text, delta.finish is not None
-            if thinker is not None:
-                thought, text = thinker.read(text, last)
-                items.thought(thought)
-            if reader is None:
-                said = items.text(text) if text else []
-            else:
-                told = reader.read(text, last)
-                said = items.text(told.content) if told.content else []
-                for piece in told.calls:
-                    said += items.call(piece)
+            thought, told = reader.read(delta.text, last=delta.finish is not None)
+            items.thought(thought)
+            said = items.text(told.content) if told.content else []
+            for piece in told.calls:
+                said += items.call(piece)
             for each in said:
                 yield each
     for each in items.close():

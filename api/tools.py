@@ -13,7 +13,8 @@ import json
 from dataclasses import dataclass
 
 from api.protocol import ChatRequest
-from api.tool_reader import HERMES, LLAMA, CallFormat, CallReader
+from api.reasoning import ThoughtReader
+from api.tool_reader import HERMES, LLAMA, CallFormat, CallReader, Said
 from pipeline.errors import InvalidRequest
 from pipeline.messages import Structure
 from pipeline.tokenizer import Tokenizer
@@ -52,22 +53,56 @@ class ToolCalls:
     def reader(self) -> CallReader:
         return CallReader(self.form, self.name)
 
-    def finish_reason(self, reader: CallReader, finish: str | None) -> str | None:
+    def finish_reason(self, calls: list[dict], finish: str | None) -> str | None:
         # OpenAI's: a named function's call ends with "stop", a chosen one's "tool_calls"
-        if finish == "stop" and self.name is None and reader.calls:
+        if finish == "stop" and self.name is None and calls:
             return "tool_calls"
         return finish
 
     def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
         """The assistant message for a whole output `text`, and its finish_reason."""
-        reader = self.reader()
+        reader = OutputReader(self, None)
         reader.read(text, last=True)
-        message = {"role": "assistant", "content": reader.content or None}
-        if reader.calls:
-            message["tool_calls"] = reader.calls
-        else:
-            message["content"] = reader.content
-        return message, self.finish_reason(reader, finish)
+        return reader.message(), reader.finish_reason(finish)
+
+
+class OutputReader:
+    """A chat choice's output as it streams, or whole: a reasoning model's thought
+    (api/reasoning.py, where `reasoning` says how it starts), then the content, and
+    the tool calls where `calls` asks for them. Each read gives (thought, Said)."""
+
+    def __init__(self, calls: ToolCalls | None, reasoning: str | None):
+        self._tools = calls
+        self._thoughts = None if reasoning is None else ThoughtReader(reasoning)
+        self._calls = None if calls is None else calls.reader()
+        self.thought = self.content = ""
+
+    def read(self, text: str, last: bool = False) -> tuple[str, Said]:
+        thought = ""
+        if self._thoughts is not None:
+            thought, text = self._thoughts.read(text, last)
+        said = Said(content=text) if self._calls is None else self._calls.read(text, last)
+        self.thought += thought
+        self.content += said.content
+        return thought, said
+
+    @property
+    def calls(self) -> list[dict]:
+        """The calls read so far, whole, in the message's shape."""
+        return [] if self._calls is None else self._calls.calls
+
+    def finish_reason(self, finish: str | None) -> str | None:
+        return finish if self._tools is None else self._tools.finish_reason(self.calls, finish)
+
+    def message(self) -> dict:
+        """The assistant message of what was read (whole, once the last piece is)."""
+        message = {"role": "assistant", "content": self.content}
+        if self.calls:
+            message = {"role": "assistant", "content": self.content or None,
+                       "tool_calls": self.calls}
+        if self._thoughts is not None:
+            message["reasoning_content"] = self.thought or None
+        return message
 
 
 def tool_calls(body: ChatRequest, tokenizer: Tokenizer) -> ToolCalls | None:

@@ -308,6 +308,17 @@ class Engine:
                                       prompt_logprobs))
         return results
 
+    def describe(self) -> dict:
+        """What this engine runs on, for its liveness record (`pipeline status`)."""
+        return {"device": self.device.type, "dtype": str(self.dtype).removeprefix("torch."),
+                "attention": self.backend,
+                "kv_cache_dtype": str(self.cache.dtype).removeprefix("torch."),
+                "cuda_graphs": self.graphs.sizes[-1] if self.graphs else 0,
+                "quantization": self.quantization,
+                "dense_matmul": ("amx" if self.kernels.dense_tiles
+                                 else "onednn" if self.kernels.onednn else "torch"),
+                **self.kernels.names()}
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.batcher.running), num_waiting=len(self.batcher.waiting),

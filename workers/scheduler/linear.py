@@ -93,6 +93,17 @@ class Kernels:
             return 12 if dtype == torch.float32 else 10
         return {torch.bfloat16: 32, torch.float32: 16}.get(dtype, -1)
 
+    def names(self) -> dict[str, str]:
+        """The 4-bit matmul and activations `pipeline status` shows."""
+        if self.vnni:  # vnni | avx2; beside AMX's tiles, whose rows keep exact activations
+            suffix = qgemm_vnni.library()[1]
+            if self.amx:
+                return {"4bit_matmul": suffix + "+amx",
+                        "activations": f"int8 up to {VNNI_BESIDE_AMX} rows"}
+            return {"4bit_matmul": suffix, "activations": "int8"}
+        matmul = "amx" if self.amx else "qgemm" if self.qgemm else "torch"
+        return {"4bit_matmul": matmul, "activations": "exact"}
+
 
 PLAIN = Kernels()  # torch's own matmuls
 

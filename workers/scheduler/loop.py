@@ -45,11 +45,9 @@ from pipeline.streams import (
 )
 from pipeline.tokenizer import Tokenizer
 from pipeline.worker import new_worker_id
-from workers.scheduler import qgemm_vnni
+from workers.scheduler.compiling import COMPILE_LIMIT_S, Compiles
 from workers.scheduler.engine import Engine, EngineRequest, StepResult
-from workers.scheduler.grammar import field_of
 from workers.scheduler.held import Running
-from workers.scheduler.linear import VNNI_BESIDE_AMX, Kernels
 from workers.text import find_stop, stop_window
 
 log = logging.getLogger("pipeline.scheduler")
@@ -58,7 +56,6 @@ ADMITTED_TTL_S = 30  # retried XADDs arrive within seconds; the keys must not pi
 PULL_EVERY_S = 0.01  # a step's reads of new requests, this far apart at least
 STEP_EMA = 0.2  # weight of the last step in the average step time
 MAX_ALTERNATIVES = 20  # logprobs' top tokens a request may ask for (the api's limit too)
-COMPILE_LIMIT_S = 10.0  # a structure's grammar compiles within this (from its arrival)
 
 
 class Scheduler:
@@ -83,12 +80,8 @@ class Scheduler:
         self.draining = draining or asyncio.Event()  # set on SIGTERM (pipeline.roles)
         self.drain_deadline: float | None = None
         self.drained = False
-        # structured requests whose grammar compiles on its own thread, so that the steps
-        # go on meanwhile (a large schema takes seconds): request id -> (compile, its run,
-        # when it began)
-        self.grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        self.compiling: dict[str, tuple[asyncio.Future, Running, float]] = {}
-        self.compile_limit_s = COMPILE_LIMIT_S
+        self.compiling = Compiles(engine.grammars)  # structured requests, their grammar not
+        self.compile_limit_s = COMPILE_LIMIT_S  # yet compiled: the steps go on meanwhile
 
     async def join(self) -> None:
         for stream, group in ((self.keys.requests, SCHEDULERS), (self.keys.tokens, DETOKENIZERS)):
@@ -122,8 +115,7 @@ class Scheduler:
                 wait=not self.compiling)
             await self.take(control, requests)
             if self.compiling and not requests:  # wait for a compile, a while at most
-                await asyncio.wait([future for future, *_ in self.compiling.values()],
-                                   timeout=PULL_EVERY_S * 5, return_when=asyncio.FIRST_COMPLETED)
+                await self.compiling.wait(PULL_EVERY_S * 5)
             return
         launched = time.perf_counter()
         running = asyncio.get_running_loop().run_in_executor(self.engine_thread,
@@ -313,45 +305,36 @@ class Scheduler:
                 raise RequestTimeout("the request expired before a scheduler could start it")
             self.check(submit)
             run = Running(submit, entry_id, list(submit.output_ids), len(submit.output_ids))
-            structure = submit.sampling.structure
-            if structure is not None and not self.engine.grammars.ready(structure):
-                compiling = asyncio.get_running_loop().run_in_executor(
-                    self.grammar_thread, self.engine.grammars.compile, structure)
-                compiling.add_done_callback(_retrieved)  # its request may be gone by then
-                self.compiling[submit.request_id] = (compiling, run, time.monotonic())
+            if self.compiling.needed(submit.sampling.structure):
+                self.compiling.start(run)
             else:
                 self.engine.add(EngineRequest(submit.request_id, submit.prompt_ids,
                                               list(submit.output_ids), submit.sampling))
         except PipelineError as error:
-            self.failures.append(Failed(submit.request_id, submit.reply_to, error.code,
-                                        error.detail, submit.attempt, param=error.param))
-            self.to_ack.append(entry_id)
+            self.refuse(submit, entry_id, error)
             return
         self.running[submit.request_id] = run
 
     def admit_compiled(self) -> None:
-        """Structured requests whose grammar is ready join the engine; one whose grammar
-        took over `compile_limit_s` is refused (its compile runs on, unkept)."""
-        now = time.monotonic()
-        for request_id, (compiling, run, began) in list(self.compiling.items()):
-            if not compiling.done() and now - began < self.compile_limit_s:
+        """Structured requests whose grammar is ready join the engine; a refused one
+        (a bad schema, a compile past `compile_limit_s`) fails back to its sender."""
+        for run, error in self.compiling.done(self.compile_limit_s):
+            submit = run.submit
+            if self.running.get(submit.request_id) is not run:  # cancelled, or a newer attempt
                 continue
-            del self.compiling[request_id]
-            if self.running.get(request_id) is not run:  # cancelled, or a newer attempt
-                continue
-            submit, structure = run.submit, run.submit.sampling.structure
             try:
-                if not compiling.done():
-                    raise InvalidRequest(f"{field_of(structure)} did not compile within "
-                                         f"{self.compile_limit_s:g} s", param=field_of(structure))
-                self.engine.grammars.keep(structure, compiling.result())
+                if error is not None:
+                    raise error
                 self.engine.add(EngineRequest(submit.request_id, submit.prompt_ids,
                                               list(submit.output_ids), submit.sampling))
-            except PipelineError as error:
-                del self.running[request_id]
-                self.failures.append(Failed(request_id, submit.reply_to, error.code,
-                                            error.detail, submit.attempt, param=error.param))
-                self.to_ack.append(run.entry_id)
+            except PipelineError as refused:
+                del self.running[submit.request_id]
+                self.refuse(submit, run.entry_id, refused)
+
+    def refuse(self, submit: Submit, entry_id: str, error: PipelineError) -> None:
+        self.failures.append(Failed(submit.request_id, submit.reply_to, error.code,
+                                    error.detail, submit.attempt, param=error.param))
+        self.to_ack.append(entry_id)
 
     def check(self, submit: Submit) -> None:
         """Entries can be written by anyone with access to Redis: trust nothing."""
@@ -408,33 +391,6 @@ class Scheduler:
             self.unsent.append(TokenBatch(self.worker_id, outputs, []))
 
     def info(self) -> dict:
-        engine = self.engine
-        return {"model": self.config.model, "device": engine.device.type,
-                "dtype": str(engine.dtype).removeprefix("torch."),
-                "attention": engine.backend,
-                "kv_cache_dtype": str(engine.cache.dtype).removeprefix("torch."),
-                "cuda_graphs": engine.graphs.sizes[-1] if engine.graphs else 0,
-                "quantization": engine.quantization,
-                "dense_matmul": ("amx" if engine.kernels.dense_tiles
-                                 else "onednn" if engine.kernels.onednn else "torch"),
-                **kernel_names(engine.kernels),
+        return {"model": self.config.model, **self.engine.describe(),
                 "num_expired": self.num_expired, "draining": self.draining.is_set()} | asdict(
-            engine.stats())
-
-
-def _retrieved(future: asyncio.Future) -> None:
-    """A compile's outcome, taken so asyncio does not log an abandoned one's as lost."""
-    if not future.cancelled():
-        future.exception()
-
-
-def kernel_names(kernels: Kernels) -> dict[str, str]:
-    """The 4-bit matmul and activations `pipeline status` shows for `kernels`."""
-    if kernels.vnni:  # vnni | avx2; beside AMX's tiles, whose rows keep exact activations
-        suffix = qgemm_vnni.library()[1]
-        if kernels.amx:
-            return {"4bit_matmul": suffix + "+amx",
-                    "activations": f"int8 up to {VNNI_BESIDE_AMX} rows"}
-        return {"4bit_matmul": suffix, "activations": "int8"}
-    matmul = "amx" if kernels.amx else "qgemm" if kernels.qgemm else "torch"
-    return {"4bit_matmul": matmul, "activations": "exact"}
+            self.engine.stats())
