@@ -73,6 +73,10 @@ KvCacheDtype = Annotated[str, _opt("KV_CACHE_DTYPE", "auto | model | int8: the K
 Threads = Annotated[int | None, _opt("NUM_THREADS", "torch threads per scheduler.")]
 CudaGraphs = Annotated[int, _opt("CUDA_GRAPH_MAX_BATCH", "On CUDA with flashinfer, decode steps "
                                  "of up to this many requests replay CUDA graphs; 0: off.")]
+GrammarTimeout = Annotated[float, _opt(
+    "GRAMMAR_TIMEOUT", "Seconds a structured request's grammar (response_format, tools) may "
+    "take to compile on a scheduler before the request is refused (a 400); the steps go on "
+    "meanwhile.", min=0.1)]
 Timeout = Annotated[float, _opt("REQUEST_TIMEOUT", "Seconds before a request is abandoned.")]
 MaxQueued = Annotated[int, _opt("MAX_QUEUED_REQUESTS", "In-flight requests per api before 503.")]
 StreamInterval = Annotated[int, _opt("STREAM_INTERVAL", "Tokens a streamed response's chunk "
@@ -104,7 +108,8 @@ def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: in
                  alive_ttl_s: float, stream_interval: int,
                  kv_cache_dtype: str = "auto", drain_timeout_s: float = 20.0,
                  served_model_name: str | None = None, access_log: bool = False,
-                 allowed_origins: str | None = None) -> Config:
+                 allowed_origins: str | None = None,
+                 grammar_timeout_s: float = 10.0) -> Config:
     names = () if served_model_name is None else tuple(
         name.strip() for name in served_model_name.split(",") if name.strip())
     if served_model_name is not None and not names:
@@ -122,7 +127,8 @@ def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: in
                                   dtype=dtype, quantization=quantization,
                                   activations=activations, device=device, num_threads=num_threads,
                                   cuda_graph_max_batch=cuda_graph_max_batch,
-                                  kv_cache_dtype=kv_cache_dtype),
+                                  kv_cache_dtype=kv_cache_dtype,
+                                  grammar_timeout_s=grammar_timeout_s),
     )
 
 
@@ -149,6 +155,7 @@ def child_env(config: Config, redis_url: str, log_level: str, api_workers: int,
         "ACTIVATIONS": config.scheduler.activations,
         "DEVICE": config.scheduler.device, "NUM_THREADS": config.scheduler.num_threads,
         "CUDA_GRAPH_MAX_BATCH": config.scheduler.cuda_graph_max_batch,
+        "GRAMMAR_TIMEOUT": config.scheduler.grammar_timeout_s,
         "REQUEST_TIMEOUT": config.api.request_timeout_s,
         "MAX_QUEUED_REQUESTS": config.api.max_queued_requests, "LOG_LEVEL": log_level,
         "LOG_FORMAT": log_format,
@@ -171,6 +178,7 @@ def serve(
     kv_cache_dtype: KvCacheDtype = "auto",
     quantization: Quantization = "auto", activations: Activations = "auto",
     device: Device = "auto", num_threads: Threads = None, cuda_graph_max_batch: CudaGraphs = 256,
+    grammar_timeout: GrammarTimeout = 10.0,
     request_timeout: Timeout = 600.0,
     max_queued_requests: MaxQueued = 1024, alive_ttl_s: AliveTtl = 5.0,
     stream_interval: StreamInterval = 1, drain_timeout_s: DrainTimeout = 20.0,
@@ -198,7 +206,7 @@ def serve(
         max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s,
         stream_interval=stream_interval, drain_timeout_s=drain_timeout_s,
         served_model_name=served_model_name, access_log=access_log,
-        allowed_origins=allowed_origins)
+        allowed_origins=allowed_origins, grammar_timeout_s=grammar_timeout)
     counts = {"api": api_workers, "scheduler": schedulers, "detokenizer": detokenizers}
     raise typer.Exit(serve_forever(config, counts, lambda url: child_env(
         config, url, log_level, api_workers, log_format)))
@@ -217,6 +225,7 @@ def worker(
     kv_cache_dtype: KvCacheDtype = "auto",
     quantization: Quantization = "auto", activations: Activations = "auto",
     device: Device = "auto", num_threads: Threads = None, cuda_graph_max_batch: CudaGraphs = 256,
+    grammar_timeout: GrammarTimeout = 10.0,
     request_timeout: Timeout = 600.0,
     max_queued_requests: MaxQueued = 1024, alive_ttl_s: AliveTtl = 5.0,
     stream_interval: StreamInterval = 1, drain_timeout_s: DrainTimeout = 20.0,
@@ -238,7 +247,7 @@ def worker(
         max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s,
         stream_interval=stream_interval, drain_timeout_s=drain_timeout_s,
         served_model_name=served_model_name, access_log=access_log,
-        allowed_origins=allowed_origins)
+        allowed_origins=allowed_origins, grammar_timeout_s=grammar_timeout)
     config = _with_worker_id(config, role, worker_id)
     run_role(role.value, config, api_workers=api_workers)
 

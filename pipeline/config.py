@@ -69,6 +69,9 @@ class SchedulerConfig:
     # CUDA; capped by max_running_requests); 0: every step runs eagerly
     cuda_graph_max_batch: int = 256
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    # a structured request's grammar compiles within this, from its compile's start
+    # (workers/scheduler/compiling.py); past it the request is refused, a 400
+    grammar_timeout_s: float = 10.0
 
 
 # A 2-core CPU runs ~40 ms steps of 64 sequences; a GPU batches 256 (the H200's

@@ -128,3 +128,58 @@ def test_a_grammar_compiles_beside_the_steps_and_within_its_limit(redis_url, pre
     assert (failed.request_id, failed.code, failed.param) == (
         "slower", "invalid_request", "response_format")
     assert "did not compile within 0.05 s" in failed.detail
+
+
+def test_a_slow_grammar_holds_back_no_other_request(redis_url, prefix, model_files):
+    """Requests whose schema came after a slow one's are not refused for its compile:
+    the limit counts from each compile's own start, and a compile past it leaves its
+    thread to a fresh one. Two requests with one schema share its compile; the slow
+    schema asked again is refused at once."""
+    config = Config(model=str(model_files.path), redis=RedisConfig(
+        url=redis_url, prefix=prefix, heartbeat_s=600.0, alive_ttl_s=1800.0),
+        scheduler=SchedulerConfig(grammar_timeout_s=1.0))
+    engine = Engine(model_files.path, SchedulerConfig())
+    keys, client = Keys(prefix), StreamClient(redis_url)
+    engine.grammars.compiler()  # the tokenizer's load, out of the way
+    quick = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
+
+    def structured(request_id: str, schema: str) -> Submit:
+        sampling = Sampling(max_tokens=3, structure=Structure(kind="json_schema", schema=schema))
+        return msgspec.structs.replace(submit(request_id, 20), sampling=sampling)
+
+    async def steps_while(scheduler: Scheduler, going) -> None:
+        for _ in range(3000):
+            if not going():
+                return
+            await scheduler.step()
+        raise AssertionError("the scheduler never got there")
+
+    async def scenario(scheduler: Scheduler) -> tuple[list, list, bool]:
+        try:
+            await scheduler.join()
+            for request_id, schema in (("slow", slow_schema(200)), ("quick", quick),
+                                       ("quick too", quick)):
+                await client.add(keys.requests, structured(request_id, schema))
+            await steps_while(scheduler, lambda: len(scheduler.running) < 3)
+            await steps_while(scheduler, lambda: scheduler.running)
+            await client.add(keys.requests, structured("slow again", slow_schema(200)))
+            await scheduler.step()
+            refused_at_once = not scheduler.running and not scheduler.compiling
+            await scheduler.exchange(0)
+            entries = await client.redis.xrange(keys.tokens)
+            batches = [tokens_decoder.decode(fields[FIELD]) for _, fields in entries]
+            return ([f for b in batches for f in b.failures],
+                    [o for b in batches for o in b.outputs], refused_at_once)
+        finally:
+            await client.close()
+            await scheduler.client.close()
+
+    with ThreadPoolExecutor(1) as thread:
+        scheduler = Scheduler(config, engine, Tokenizer(model_files.path), thread)
+        failures, outputs, refused_at_once = asyncio.run(scenario(scheduler))
+    assert sorted(o.request_id for o in outputs if o.finish in ("length", "stop")) == [
+        "quick", "quick too"]  # ("stop": its JSON whole within 3 tokens)
+    assert sorted(f.request_id for f in failures) == ["slow", "slow again"]
+    assert all(f.param == "response_format" and "did not compile within 1 s" in f.detail
+               for f in failures)
+    assert refused_at_once

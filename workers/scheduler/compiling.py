@@ -2,11 +2,20 @@
 # a thread of its own (xgrammar releases the GIL), so that the scheduler's steps go on
 # meanwhile: a large schema takes seconds. Each comes out with its grammar kept for the
 # engine, or with the error that refuses it (a bad schema, or a compile past the limit).
+#
+# One compile runs at a time, one per distinct structure: requests that ask for the same
+# one share it. Its limit counts from its own start, so a request never pays for the
+# compile ahead of it. A compile past the limit is refused with every request waiting for
+# it; its structure is remembered as too slow (asked again, it is refused at once rather
+# than compiled again), and it runs on to its end on the thread it has (xgrammar cannot be
+# stopped) while a fresh thread takes the next.
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 from pipeline.errors import InvalidRequest, PipelineError
@@ -14,17 +23,23 @@ from pipeline.messages import Structure
 from workers.scheduler.grammar import Grammars, field_of
 from workers.scheduler.held import Running
 
-COMPILE_LIMIT_S = 10.0  # a structure's grammar compiles within this (from its arrival)
+TOO_SLOW_KEPT = 256  # structures remembered as too slow, least recently asked dropped
+
+log = logging.getLogger(__name__)
 
 
 class Compiles:
     def __init__(self, grammars: Grammars):
         self.grammars = grammars
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        self._waiting: dict[str, tuple[asyncio.Future, Running, float]] = {}  # request id ->
+        self._thread = _grammar_thread()
+        self._waiting: dict[Structure, list[Running]] = {}  # in arrival order
+        # the compile under way: its structure, its outcome to come, when it began
+        self._current: tuple[Structure, asyncio.Future, float] | None = None
+        self._too_slow: OrderedDict[Structure, float] = OrderedDict()  # -> the limit it missed
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._waiting
+        return any(run.submit.request_id == request_id
+                   for runs in self._waiting.values() for run in runs)
 
     def __bool__(self) -> bool:
         return bool(self._waiting)
@@ -33,35 +48,65 @@ class Compiles:
         return structure is not None and not self.grammars.ready(structure)
 
     def start(self, run: Running) -> None:
-        compiling = asyncio.get_running_loop().run_in_executor(
-            self._thread, self.grammars.compile, run.submit.sampling.structure)
-        compiling.add_done_callback(_retrieved)  # its request may be gone by then
-        self._waiting[run.submit.request_id] = (compiling, run, time.monotonic())
+        """`run` waits for its structure's grammar; InvalidRequest for a structure that
+        missed the limit before."""
+        structure = run.submit.sampling.structure
+        if (limit_s := self._too_slow.get(structure)) is not None:
+            self._too_slow.move_to_end(structure)
+            raise _too_slow(structure, limit_s)
+        self._waiting.setdefault(structure, []).append(run)
+        self._begin_next()
 
     def done(self, limit_s: float) -> list[tuple[Running, PipelineError | None]]:
         """The runs whose wait is over: compiled (None; the grammar kept), or refused
         (its error; a compile past `limit_s` runs on, unkept)."""
-        now, over = time.monotonic(), []
-        for request_id, (compiling, run, began) in list(self._waiting.items()):
-            if not compiling.done() and now - began < limit_s:
-                continue
-            del self._waiting[request_id]
-            structure = run.submit.sampling.structure
-            if not compiling.done():
-                over.append((run, InvalidRequest(f"{field_of(structure)} did not compile "
-                                                 f"within {limit_s:g} s",
-                                                 param=field_of(structure))))
-            elif isinstance(error := compiling.exception(), PipelineError):
-                over.append((run, error))
-            else:
-                self.grammars.keep(structure, compiling.result())
-                over.append((run, None))
-        return over
+        if self._current is None:
+            return []
+        structure, compiling, began = self._current
+        if not compiling.done() and time.monotonic() - began < limit_s:
+            return []
+        self._current = None
+        error = None
+        if not compiling.done():
+            error = _too_slow(structure, limit_s)
+            self._too_slow[structure] = limit_s
+            while len(self._too_slow) > TOO_SLOW_KEPT:
+                self._too_slow.popitem(last=False)
+            self._thread.shutdown(wait=False)  # its compile ends there, unheeded
+            self._thread = _grammar_thread()
+        elif isinstance(compiling.exception(), PipelineError):
+            error = compiling.exception()
+        elif compiling.exception() is not None:  # not a schema's fault: a bug of ours
+            log.error("a grammar failed to compile", exc_info=compiling.exception())
+            error = PipelineError(f"{field_of(structure)} could not be compiled")
+        else:
+            self.grammars.keep(structure, compiling.result())
+        runs = self._waiting.pop(structure)
+        self._begin_next()
+        return [(run, error) for run in runs]
 
     async def wait(self, timeout_s: float) -> None:
-        """Until a compile ends, `timeout_s` at most."""
-        await asyncio.wait([compiling for compiling, *_ in self._waiting.values()],
-                           timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        """Until the compile under way ends, `timeout_s` at most."""
+        if self._current is not None:
+            await asyncio.wait([self._current[1]], timeout=timeout_s)
+
+    def _begin_next(self) -> None:
+        if self._current is not None or not self._waiting:
+            return
+        structure = next(iter(self._waiting))
+        compiling = asyncio.get_running_loop().run_in_executor(
+            self._thread, self.grammars.compile, structure)
+        compiling.add_done_callback(_retrieved)  # it may be abandoned by then
+        self._current = (structure, compiling, time.monotonic())
+
+
+def _grammar_thread() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(1, thread_name_prefix="grammar")
+
+
+def _too_slow(structure: Structure, limit_s: float) -> InvalidRequest:
+    return InvalidRequest(f"{field_of(structure)} did not compile within {limit_s:g} s",
+                          param=field_of(structure))
 
 
 def _retrieved(future: asyncio.Future) -> None:

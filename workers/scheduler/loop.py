@@ -45,7 +45,7 @@ from pipeline.streams import (
 )
 from pipeline.tokenizer import Tokenizer
 from pipeline.worker import new_worker_id
-from workers.scheduler.compiling import COMPILE_LIMIT_S, Compiles
+from workers.scheduler.compiling import Compiles
 from workers.scheduler.engine import Engine, EngineRequest, StepResult
 from workers.scheduler.held import Running
 from workers.text import find_stop, stop_window
@@ -81,7 +81,8 @@ class Scheduler:
         self.drain_deadline: float | None = None
         self.drained = False
         self.compiling = Compiles(engine.grammars)  # structured requests, their grammar not
-        self.compile_limit_s = COMPILE_LIMIT_S  # yet compiled: the steps go on meanwhile
+        self.compile_limit_s = config.scheduler.grammar_timeout_s  # yet compiled: the steps
+        # go on meanwhile
 
     async def join(self) -> None:
         for stream, group in ((self.keys.requests, SCHEDULERS), (self.keys.tokens, DETOKENIZERS)):
