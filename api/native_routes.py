@@ -150,7 +150,8 @@ def _result(response_id: str, prompt_ids: list[int], choice: Choice,
             logprobs: Logprobs | None) -> dict:
     finish = {"type": choice.finish} if choice.finish is not None else None
     meta = {"id": response_id, "prompt_tokens": len(prompt_ids),
-            "completion_tokens": len(choice.token_ids), "finish_reason": finish}
+            "completion_tokens": len(choice.token_ids), "finish_reason": finish,
+            "cached_tokens": choice.cached_tokens or 0}
     if logprobs is not None:
         logprobs.add(meta, prompt_ids, choice)
     return {"text": choice.text, "output_ids": choice.token_ids, "meta_info": meta}

@@ -50,10 +50,15 @@ class Job:
 
     def usage(self, choices: list[Choice]) -> dict:
         completion_tokens = sum(len(choice.token_ids) for choice in choices)
-        # each prompt counted once, however many choices share it
+        # each prompt counted once, however many choices share it; of its tokens, those
+        # its choices all found in a scheduler's prefix cache
         prompt_tokens = sum(len(prompt_ids) for prompt_ids in self.prompts)
+        n = len(self.samplings) // len(self.prompts)
+        cached = sum(min(choice.cached_tokens or 0 for choice in choices[i:i + n])
+                     for i in range(0, len(choices), n))
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def whole_response(job: Job, tokenizer: Tokenizer, choices: list[Choice]) -> dict:

@@ -67,7 +67,8 @@ def _finished(job: Job, body: ResponsesRequest, choice: Choice, output: list | N
             output.append(_message(_id("msg"), reader.content, "completed"))
         output += [_call(_id("fc"), call, "completed") for call in reader.calls]
     usage = job.usage([choice])
-    usage = {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+    usage = {"input_tokens": usage["prompt_tokens"],
+             "input_tokens_details": usage["prompt_tokens_details"],
              "output_tokens": usage["completion_tokens"],
              "output_tokens_details": {"reasoning_tokens": 0},
              "total_tokens": usage["total_tokens"]}

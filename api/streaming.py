@@ -32,6 +32,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # Sampling.prompt_logprobs'
+    cached_tokens: int | None = None  # its prompt's, in the prefix cache of its first run
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
@@ -40,6 +41,8 @@ class Choice:
         self.finish = delta.finish
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if self.cached_tokens is None:  # a continuation's scheduler found its own
+            self.cached_tokens = delta.cached_tokens
 
     def prompt_entries(self, prompt_ids: list[int]) -> list[TokenLogprob | None]:
         """One a prompt token: None for the first (nothing comes before it) and for

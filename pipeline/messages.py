@@ -114,6 +114,9 @@ class StepOutput(Struct, frozen=True, array_like=True):
     attempt: int = 0
     skip_special_tokens: bool = True
     prompt_logprobs: list[TokenLogprob] | None = None  # Sampling.prompt_logprobs', once
+    # with a run's first output: its prompt tokens found in the prefix cache (usage's
+    # cached_tokens); None on later outputs
+    cached_tokens: int | None = None
 
 
 class Failed(Struct, frozen=True, tag="failed"):
@@ -154,6 +157,7 @@ class Delta(Struct, frozen=True, array_like=True):
     logprobs: list[TokenLogprob] | None = None
     attempt: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None  # with a run's first delta, if asked
+    cached_tokens: int | None = None  # with a run's first delta (StepOutput.cached_tokens)
 
 
 class ReplyBatch(Struct, frozen=True, tag="replies"):

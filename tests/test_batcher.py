@@ -153,6 +153,8 @@ def test_a_burst_sharing_a_prefix_computes_it_once():
     assert [(c.seq.request_id, c.start, c.num_tokens) for c in plan.chunks][2:] == [
         ("second", 8, 4), ("third", 8, 2)]
     assert batcher.num_prefix_hit_tokens == 16
+    # what each prompt found, for its usage's cached_tokens
+    assert [c.seq.num_cached_tokens for c in plan.chunks] == [0, 0, 8, 8]
 
 
 def test_a_prompt_awaiting_a_prefix_goes_ahead_when_its_computer_leaves():

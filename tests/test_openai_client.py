@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 
 import httpx
 import openai
@@ -250,3 +251,34 @@ def test_a_served_model_name_is_what_clients_see_and_name(renamed_url):
     assert answer.model == "assistant" and answer.choices[0].text
     with pytest.raises(openai.NotFoundError, match="'assistant' or 'smol'"):
         client.completions.create(model="SmolLM2-135M-Instruct", prompt="hi", max_tokens=1)
+
+
+def test_usage_counts_the_prompt_tokens_a_scheduler_found_in_its_prefix_cache(tier):
+    """A prompt sent again is computed from the prefix cache's full blocks: its usage
+    says how many of its tokens were found there (OpenAI's cached_tokens), in every
+    route's shape; a first sending found only what it shares with earlier prompts (a
+    chat: its template's system prompt; here /generate's: nothing)."""
+    client = openai.OpenAI(base_url=f"{tier.base_url}/v1", api_key="unused", timeout=120)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": f"Note {uuid.uuid4().hex}: " + ", ".join(
+        f"item {i} is {i * i}" for i in range(12)) + ". Which item is 49?"}]
+    first = client.chat.completions.create(model=model, messages=messages, max_tokens=2,
+                                           temperature=0)
+    again = client.chat.completions.create(model=model, messages=messages, max_tokens=2,
+                                           temperature=0)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens < cached < again.usage.prompt_tokens
+    assert again.usage.prompt_tokens - cached <= 16  # its full blocks (the last computed)
+
+    streamed = [chunk.usage for chunk in client.chat.completions.create(
+        model=model, messages=messages, max_tokens=2, temperature=0, stream=True,
+        stream_options={"include_usage": True}) if chunk.usage]
+    assert streamed[0].prompt_tokens_details.cached_tokens == cached
+    response = client.responses.create(model=model, input=messages, max_output_tokens=2)
+    assert response.usage.input_tokens_details.cached_tokens == cached
+    prompt = "Tell me " + messages[0]["content"]
+    generated = [httpx.post(f"{tier.base_url}/generate", timeout=120, json={
+        "text": prompt, "sampling_params": {"max_new_tokens": 2}}).json()["meta_info"]
+        for _ in "ab"]
+    assert generated[0]["cached_tokens"] == 0
+    assert 0 < generated[1]["cached_tokens"] < generated[1]["prompt_tokens"]

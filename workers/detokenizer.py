@@ -41,7 +41,7 @@ def replies_for(tokenizer: Tokenizer, batch: TokenBatch) -> dict[str, ReplyBatch
         text = step_text(tokenizer, out)
         deltas[out.reply_to].append(
             Delta(out.request_id, out.offset, out.new_ids, text, out.finish, out.logprobs,
-                  out.attempt, out.prompt_logprobs)
+                  out.attempt, out.prompt_logprobs, out.cached_tokens)
         )
     for failure in batch.failures:
         failures[failure.reply_to].append(failure)

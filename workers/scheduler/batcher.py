@@ -136,6 +136,7 @@ class Batcher:
         seq.num_computed = self.allocator.allocate(seq.request_id, seq.token_ids, found,
                                                    reuse=not seq.collects_prompt)
         self.num_prefix_hit_tokens += seq.num_computed
+        seq.num_cached_tokens = min(seq.num_computed, seq.num_prompt_tokens)
         seq.status = Status.RUNNING
         self.running.append(seq)
 

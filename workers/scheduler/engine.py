@@ -53,6 +53,7 @@ class StepResult:
     # with a run's first token, where Sampling.prompt_logprobs asked: the prompt's
     # tokens from the second on, each under the logits before it
     prompt_logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int = 0  # prompt tokens its admission found in the prefix cache
 
 
 @dataclass
@@ -305,7 +306,7 @@ class Engine:
                 self.batcher.finish(seq)
             prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None  # sent once
             results.append(StepResult(seq.request_id, [token_id], finish, logprobs,
-                                      prompt_logprobs))
+                                      prompt_logprobs, seq.num_cached_tokens))
         return results
 
     def describe(self) -> dict:

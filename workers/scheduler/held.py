@@ -16,6 +16,7 @@ class Running:
     sent: int  # of output_ids, those on their way to the client; the rest are held
     held_logprobs: list[TokenLogprob] = field(default_factory=list)  # the held ids'
     held_prompt_logprobs: list[TokenLogprob] | None = None  # until the first delta goes
+    cached_tokens: int | None = None  # as its first step result here found them
 
     def due(self, finish: str | None) -> bool:
         """Whether the held ids go out now (Submit.stream_interval): a streamed

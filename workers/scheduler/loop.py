@@ -363,6 +363,8 @@ class Scheduler:
         run.held_logprobs.extend(result.logprobs or [])
         if result.prompt_logprobs is not None:
             run.held_prompt_logprobs = result.prompt_logprobs
+        if run.cached_tokens is None:
+            run.cached_tokens = result.cached_tokens
         finish, matched = result.finish, None
         if sampling.stop and len(run.output_ids) >= sampling.min_tokens:
             matched = find_stop(self.tokenizer, run.output_ids, len(result.new_ids),
@@ -376,6 +378,7 @@ class Scheduler:
         if not run.due(finish):
             return None
         offset, run.sent = run.sent, len(run.output_ids)
+        cached = run.cached_tokens if offset == len(run.submit.output_ids) else None  # once
         prefix = run.output_ids[max(0, offset - stop_window(sampling.stop)):offset]
         logprobs = run.held_logprobs if result.logprobs is not None else None
         prompt_logprobs, run.held_logprobs, run.held_prompt_logprobs = (
@@ -383,7 +386,7 @@ class Scheduler:
         return StepOutput(result.request_id, run.submit.reply_to, offset,
                           run.output_ids[offset:], prefix, finish, sampling.stop, matched,
                           logprobs, run.submit.attempt, sampling.skip_special_tokens,
-                          prompt_logprobs)
+                          prompt_logprobs, cached)
 
     def emit(self, results: list[StepResult]) -> None:
         """Queue a step's outputs for the next flush."""

@@ -34,6 +34,7 @@ class Sequence:
     # logits are computed; None when not wanted or once sent with the first token
     prompt_logprobs: list[TokenLogprob] | None = None
     grammar: object = None  # an xgrammar matcher where Sampling.structure holds it
+    num_cached_tokens: int = 0  # prompt tokens its latest admission found in the prefix cache
 
     @property
     def collects_prompt(self) -> bool:
