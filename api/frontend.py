@@ -27,7 +27,7 @@ from pipeline.messages import (
     replies_decoder,
 )
 from pipeline.recovery import queue_depth
-from pipeline.streams import SCHEDULERS, Keys, StreamClient
+from pipeline.streams import SCHEDULERS, TIERS, Keys, StreamClient
 from pipeline.worker import retrying
 
 log = logging.getLogger("pipeline.api")
@@ -71,7 +71,8 @@ class Frontend:
         self.client = StreamClient(redis_config.url, block_ms=redis_config.read_block_ms)
         self.states: dict[str, RequestState] = {}
         self._tasks: list[asyncio.Task] = []
-        self.queue_depth = 0  # unadmitted requests tier-wide (recovery.queue_depth), refreshed
+        # unadmitted requests tier-wide in each lane (recovery.queue_depth), TIERS' order
+        self.queue_depths = [0] * len(TIERS)
         self.num_resubmits = 0
         self.last_reply_id = "0-0"
 
@@ -110,9 +111,15 @@ class Frontend:
         await self.client.redis.delete(self.reply_to, alive)
         await self.client.redis.zrem(self.keys.workers, alive)
 
+    @property
+    def queue_depth(self) -> int:
+        """Unadmitted requests tier-wide, every lane's."""
+        return sum(self.queue_depths)
+
     async def generate(
         self, prompt_ids: list[int], sampling: Sampling, request_id: str | None = None,
         timeout_s: float | None = None, stream_interval: int = 1,
+        service_tier: str = "default",
     ) -> AsyncIterator[Delta]:
         """Submit one request and yield its deltas, as `stream_interval` gathers them
         (Submit's field: the first token, then N at a time; 0: one delta when it
@@ -120,16 +127,18 @@ class Frontend:
         RequestTimeout once `timeout_s` (default: the config's) has passed.
         The deadline arrives as an event in the request's queue, not as a
         cancellation, so a caller may iterate this in its own task, suspended
-        anywhere between deltas (a streaming response writing to its client)."""
-        if self.queue_depth >= self.config.max_queued_requests:
-            raise Overloaded(f"{self.queue_depth} requests are waiting for a scheduler; "
-                             "retry shortly")
+        anywhere between deltas (a streaming response writing to its client).
+        `service_tier` (TIERS) picks its lane: it waits behind that lane's requests and
+        the more urgent lanes' only, which alone count toward max_queued_requests."""
+        ahead = sum(self.queue_depths[:TIERS.index(service_tier) + 1])
+        if ahead >= self.config.max_queued_requests:
+            raise Overloaded(f"{ahead} requests are waiting for a scheduler; retry shortly")
         request_id = request_id or uuid.uuid4().hex
         timeout_s = self.config.request_timeout_s if timeout_s is None else timeout_s
         deadline_ms = int((time.time() + timeout_s) * 1000)
         submit = Submit(request_id=request_id, reply_to=self.reply_to, prompt_ids=prompt_ids,
                         sampling=sampling, deadline_ms=deadline_ms,
-                        stream_interval=stream_interval)
+                        stream_interval=stream_interval, service_tier=service_tier)
         state = RequestState(submit)
         self.states[request_id] = state
         loop = asyncio.get_running_loop()
@@ -138,7 +147,8 @@ class Frontend:
         outcome = "cancelled"  # unless it ends otherwise: the caller stopped reading
         try:
             async with asyncio.timeout_at(loop.time() + timeout_s):  # Redis down: no end
-                await retrying(lambda: self.client.add(self.keys.requests, submit), "submit")
+                await retrying(lambda: self.client.add(self.keys.lane(service_tier), submit),
+                               "submit")
             while True:
                 event = await state.events.get()
                 if event is EXPIRED:
@@ -222,7 +232,8 @@ class Frontend:
         state.early.clear()
         self.num_resubmits += 1
         self.metrics.resubmits.inc()
-        await retrying(lambda: self.client.add(self.keys.requests, state.submit), "resubmit")
+        await retrying(lambda: self.client.add(self.keys.lane(state.submit.service_tier),
+                                               state.submit), "resubmit")
 
     async def _refresh_liveness(self) -> None:
         ttl_s = self.redis_config.alive_ttl_s
@@ -251,8 +262,10 @@ class Frontend:
     async def _watch_queue(self) -> None:
         while True:
             try:
-                self.queue_depth = await queue_depth(self.client, self.keys.requests, SCHEDULERS,
-                                                     self.config.max_queued_requests)
+                self.queue_depths = [
+                    await queue_depth(self.client, lane, SCHEDULERS,
+                                      self.config.max_queued_requests)
+                    for lane in self.keys.lanes]
             except Exception as error:
                 log.debug("queue depth unavailable: %s", error)
             await asyncio.sleep(0.2)

@@ -111,12 +111,14 @@ def _job(body: OpenAIRequest, s: Served, is_chat: bool, prompts: list[list[int]]
     return Job(is_chat=is_chat, response_id=f"{prefix}-{uuid.uuid4().hex}",
                created=int(time.time()), model=s.model_name, prompts=prompts,
                samplings=samplings, include_usage=include_usage, echo=echo,
-               tool_calls=tool_calls, reasoning=reasoning)
+               tool_calls=tool_calls, reasoning=reasoning,
+               service_tier=body.service_tier if body.service_tier not in (None, "auto")
+               else "default")
 
 
 def job_events(job: Job, stream: bool, s: Served):
     return choice_events(s.frontend, job.runs, job.response_id, s.config.request_timeout_s,
-                         s.delta_interval(stream))
+                         s.delta_interval(stream), job.service_tier)
 
 
 async def run_job(job: Job, stream: bool, request: Request, s: Served):

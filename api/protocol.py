@@ -32,6 +32,10 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> added to its logit
 
 
+# OpenAI's service tiers ("auto": the default tier here); each its lane (pipeline.streams)
+ServiceTier = Literal["auto", "default", "flex", "priority"]
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
 
@@ -46,6 +50,7 @@ class OpenAIRequest(SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     best_of: int | None = None
+    service_tier: ServiceTier | None = None
 
     def unsupported(self) -> str | None:
         """The first field set to something this server cannot do, if any."""
@@ -216,6 +221,7 @@ class ResponsesRequest(SamplingFields):
     top_logprobs: int | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    service_tier: ServiceTier | None = None
 
     @model_validator(mode="after")
     def _output_tokens(self) -> ResponsesRequest:

@@ -30,6 +30,7 @@ class Job:
     echo: bool = False  # a completion's text (and logprobs) begin with its prompt's
     tool_calls: ToolCalls | None = None  # a chat's output is a call (api/tools.py)
     reasoning: str | None = None  # a thinking model's start (api/reasoning.py)
+    service_tier: str = "default"  # its lane (pipeline.streams.TIERS)
 
     @property
     def runs(self) -> list[Run]:
@@ -46,7 +47,7 @@ class Job:
         kind = "chat.completion" if self.is_chat else "text_completion"
         suffix = ".chunk" if is_chunk and self.is_chat else ""
         return {"id": self.response_id, "object": kind + suffix, "created": self.created,
-                "model": self.model}
+                "model": self.model, "service_tier": self.service_tier}
 
     def usage(self, choices: list[Choice]) -> dict:
         completion_tokens = sum(len(choice.token_ids) for choice in choices)

@@ -54,7 +54,7 @@ def _shell(job: Job, body: ResponsesRequest, status: str, output: list, usage=No
             "temperature": body.temperature, "top_p": body.top_p,
             "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
             "text": body.text or {"format": {"type": "text"}}, "usage": usage,
-            "metadata": body.metadata or {}, "store": False}
+            "metadata": body.metadata or {}, "store": False, "service_tier": job.service_tier}
 
 
 def _finished(job: Job, body: ResponsesRequest, choice: Choice, output: list | None = None):

@@ -36,7 +36,7 @@ def to_chat(body: ResponsesRequest) -> ChatRequest:
             "tools": [_chat_tool(tool, f"tools[{i}]") for i, tool in enumerate(body.tools or [])]
             or None, "tool_choice": _chat_tool_choice(body.tool_choice),
             "parallel_tool_calls": body.parallel_tool_calls,
-            "response_format": _response_format(body.text)}
+            "response_format": _response_format(body.text), "service_tier": body.service_tier}
     try:
         return ChatRequest.model_validate(chat)
     except ValidationError as error:  # a message of the wrong shape: name its item

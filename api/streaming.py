@@ -60,15 +60,17 @@ def per_choice(sampling: Sampling, n: int) -> list[Sampling]:
 
 async def choice_events(
     frontend: Frontend, runs: list[Run], request_id: str, timeout_s: float,
-    stream_interval: int,
+    stream_interval: int, service_tier: str = "default",
 ) -> AsyncIterator[Event]:
-    """Every choice's deltas as they come (`stream_interval`: Frontend.generate's);
+    """Every choice's deltas as they come (`stream_interval`, `service_tier`:
+    Frontend.generate's);
     each choice's own deltas stay in order.
     The first failure of any choice is raised and the other choices are cancelled.
     One choice (n = 1, nearly every request) is read in the caller's task: no
     task or queue between the frontend and the response, a hop less a token."""
     if len(runs) == 1:
-        deltas = frontend.generate(*runs[0], f"{request_id}-0", timeout_s, stream_interval)
+        deltas = frontend.generate(*runs[0], f"{request_id}-0", timeout_s, stream_interval,
+                                   service_tier)
         async with aclosing(deltas):
             async for delta in deltas:
                 yield 0, delta
@@ -78,7 +80,7 @@ async def choice_events(
     async def run(index: int, prompt_ids: list[int], sampling: Sampling) -> None:
         try:
             async for delta in frontend.generate(prompt_ids, sampling, f"{request_id}-{index}",
-                                                 timeout_s, stream_interval):
+                                                 timeout_s, stream_interval, service_tier):
                 queue.put_nowait((index, delta))
         except Exception as error:  # handed to the consumer, which raises it
             queue.put_nowait((index, error))

@@ -11,10 +11,12 @@ _GROUP_READER = ["xreadgroup", "xack", "xgroup", "xclaim", "xpending", "xtrim",
 
 ROLES: dict[str, tuple[list[str], list[str]]] = {
     # role: (key patterns under the prefix, commands)
-    "api": (["requests", "control", "replies:*", "alive:*", "workers"],
+    "api": (["requests", "requests:*", "control", "replies:*", "alive:*", "workers"],
             _COMMON + ["xadd", "xread", "pexpire"]),
-    "scheduler": (["requests", "control", "tokens", "alive:*", "workers", "admitted:*", "dead"],
-                  _COMMON + _GROUP_READER + ["xadd", "xread"]),
+    "scheduler": (["requests", "requests:*", "control", "tokens", "alive:*", "workers",
+                   "admitted:*", "dead"],
+                  # eval: the lanes read in order (streams.pull_in_order), XREADGROUP inside
+                  _COMMON + _GROUP_READER + ["xadd", "xread", "eval"]),
     "detokenizer": (["tokens", "replies:*", "alive:*", "workers", "dead"],
                     _COMMON + _GROUP_READER + ["xadd"]),
 }

@@ -62,6 +62,9 @@ class Submit(Struct, frozen=True, tag="submit", kw_only=True):
     # which goes at once (the finishing delta may carry fewer); 1: every token as it
     # is made; 0: all at once when finished
     stream_interval: int = 1
+    # OpenAI's service tier (pipeline.streams.TIERS): which lane it is sent down, and
+    # sent again down on a continuation
+    service_tier: str = "default"
 
 
 ToScheduler = Submit

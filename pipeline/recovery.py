@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from redis.exceptions import ResponseError
+
 from pipeline.streams import Keys, StreamClient
 
 
@@ -114,8 +116,15 @@ async def queue_depth(client: StreamClient, stream: str, group: str, limit: int,
     it, on Redis 6 (no lag), the stream's length less the group's pending entries,
     which counts acked ones not yet trimmed too: read without fetching an entry,
     where counting them fetched every queued prompt every time. `exact`: fetch
-    them (up to limit + 1) on Redis 6 too, for a count read once, not polled."""
-    for info in await client.redis.xinfo_groups(stream):
+    them (up to limit + 1) on Redis 6 too, for a count read once, not polled. A stream
+    not made yet (a lane nobody used) holds none."""
+    try:
+        groups = await client.redis.xinfo_groups(stream)
+    except ResponseError as error:
+        if "no such key" in str(error).lower():
+            return 0
+        raise
+    for info in groups:
         if _text(info["name"]) != group:
             continue
         if info.get("lag") is not None:  # Redis 7+: the server counts it

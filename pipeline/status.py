@@ -56,17 +56,14 @@ def records(values: list[bytes | None]) -> list[dict]:
 
 
 def queued_requests(redis_url: str, prefix: str) -> int:
-    """Requests no scheduler has admitted yet, exact up to QUEUE_LIMIT (capped
-    at QUEUE_LIMIT + 1): Redis 7 counts them, on Redis 6 they are fetched."""
+    """Requests no scheduler has admitted yet, every lane's, each exact up to
+    QUEUE_LIMIT (capped at QUEUE_LIMIT + 1): Redis 7 counts them, on Redis 6 they
+    are fetched."""
     async def read() -> int:
         client = StreamClient(redis_url)
         try:
-            return await queue_depth(client, Keys(prefix).requests, SCHEDULERS, QUEUE_LIMIT,
-                                     exact=True)
-        except redis.ResponseError as error:  # no stream yet: no api has started
-            if "no such key" in str(error).lower():
-                return 0
-            raise
+            return sum([await queue_depth(client, lane, SCHEDULERS, QUEUE_LIMIT, exact=True)
+                        for lane in Keys(prefix).lanes])
         finally:
             await client.close()
 

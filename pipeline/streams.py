@@ -1,6 +1,8 @@
 """Every Redis key, in the order a request travels, and the one stream client.
 
     {prefix}:requests          Submit       api -> group "schedulers", pulled when there is room
+    {prefix}:requests:priority Submit       the same for service_tier "priority", pulled first,
+    {prefix}:requests:flex     Submit       and for "flex", pulled last (Keys.lanes)
     {prefix}:control           Cancel       api -> every scheduler (fan-out, plain XREAD)
     {prefix}:tokens            TokenBatch   scheduler -> group "detokenizers", one per model step
     {prefix}:replies:{front}   ReplyBatch   detokenizer -> the one api worker owning the request
@@ -23,6 +25,10 @@ from redis.exceptions import ResponseError
 from pipeline.messages import FIELD, encode
 
 SCHEDULERS = "schedulers"
+# OpenAI's service tiers, most urgent first: each has its own requests stream (a lane),
+# and schedulers pull the lanes in this order, so a request waits only behind its own
+# lane and those before it
+TIERS = ("priority", "default", "flex")
 DETOKENIZERS = "detokenizers"
 # a worker silent this long leaves Keys.workers; readers look back as far, so
 # hosts' clocks may differ by less than this
@@ -35,7 +41,16 @@ class Keys:
 
     @property
     def requests(self) -> str:
+        """The default tier's lane (the only one before there were tiers)."""
         return f"{self.prefix}:requests"
+
+    def lane(self, tier: str) -> str:
+        return self.requests if tier == "default" else f"{self.prefix}:requests:{tier}"
+
+    @property
+    def lanes(self) -> list[str]:
+        """Every tier's lane, most urgent first (TIERS)."""
+        return [self.lane(tier) for tier in TIERS]
 
     @property
     def control(self) -> str:
@@ -98,7 +113,36 @@ def group_entries(reply) -> list[Entry]:
 
 def read_entries(reply) -> list[tuple[str, list[Entry]]]:
     """An XREAD reply, parsed by redis-py or raw."""
-    return [(key.decode(), _entries(raw)) for key, raw in _streams(reply)]
+    return [(_text(key), _entries(raw)) for key, raw in _streams(reply)]
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+# Up to ARGV[3] new entries of group ARGV[1] for consumer ARGV[2] from the streams in
+# KEYS, each drained before the next is read: an XREADGROUP of them all would take up to
+# the count from every one. Its reply has XREADGROUP's shape, [[stream, entries], ...].
+_PULL_IN_ORDER = """
+local left, out = tonumber(ARGV[3]), {}
+for _, key in ipairs(KEYS) do
+    if left <= 0 then break end
+    local read = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', left,
+                            'STREAMS', key, '>')
+    if read then
+        out[#out + 1] = read[1]
+        left = left - #read[1][2]
+    end
+end
+return out
+"""
+
+
+def pull_in_order(streams: Sequence[str], group: str, consumer: str, count: int) -> tuple:
+    """The command (for StreamClient.transaction) that reads up to `count` new entries
+    of `streams` for `consumer`, the first stream's before the second's, and so on;
+    read_entries parses its reply."""
+    return ("EVAL", _PULL_IN_ORDER, len(streams), *streams, group, consumer, count)
 
 
 def xadd(stream: str, message, *, maxlen: int | None = None, nomkstream: bool = False) -> tuple:

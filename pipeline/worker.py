@@ -52,21 +52,23 @@ async def heartbeat_forever(client: StreamClient, keys: Keys, role: str, worker_
 
 
 async def leave_tier(client: StreamClient, keys: Keys, role: str, worker_id: str,
-                     stream: str, group: str) -> None:
+                     streams: list[str], group: str) -> None:
     """After a drain: gone from the tier at once, not a TTL later: the liveness key,
-    its index member, and the group's consumer where nothing is pending on it (an
-    entry left pending keeps it, to be taken over as a dead worker's). Best effort:
-    where Redis refuses, the key expires and the consumer is dropped anyway."""
+    its index member, and the group's consumer in each of `streams` where nothing is
+    pending on it (an entry left pending keeps it, to be taken over as a dead
+    worker's). Best effort: where Redis refuses, the key expires and the consumer is
+    dropped anyway."""
     alive = keys.alive(role, worker_id)
     try:
         await client.redis.delete(alive)
         await client.redis.zrem(keys.workers, alive)
-        pending = await client.redis.xpending_range(stream, group, "-", "+", 1,
-                                                    consumername=worker_id)
-        if pending:
-            log.warning("%s leaves with entries pending; they are taken over", worker_id)
-        else:
-            await client.redis.xgroup_delconsumer(stream, group, worker_id)
+        for stream in streams:
+            pending = await client.redis.xpending_range(stream, group, "-", "+", 1,
+                                                        consumername=worker_id)
+            if pending:
+                log.warning("%s leaves with entries pending; they are taken over", worker_id)
+            else:
+                await client.redis.xgroup_delconsumer(stream, group, worker_id)
     except (RedisError, *REDIS_DOWN) as error:
         log.warning("%s drained, but could not leave the tier at once: %s", worker_id, error)
         return

@@ -89,6 +89,8 @@ async def test_non_utf8_bytes_are_a_400(client):
     (CHAT, "messages", [{"role": "user", "content": [{"text": "hi"}]}],
      "messages[0].content"),
     (CHAT, "logprobs", 3, "logprobs"),
+    (CHAT, "service_tier", "scale", "service_tier"),
+    (COMPLETIONS, "service_tier", 1, "service_tier"),
 ])
 async def test_wrong_types_are_400s_naming_the_field(client, path, field, value, param):
     body = {"prompt": "Hello", "messages": HELLO} | {field: value}

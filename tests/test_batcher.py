@@ -167,3 +167,26 @@ def test_a_prompt_awaiting_a_prefix_goes_ahead_when_its_computer_leaves():
     batcher.abort("first")  # its prefill never ran: nothing is cached, nothing promised
     plan = batcher.schedule()
     assert [(c.seq.request_id, c.start) for c in plan.chunks] == [("second", 0)]
+
+
+def test_a_more_urgent_tier_is_admitted_first_and_preempted_last():
+    """Waiting requests go most urgent tier first, each tier first come first
+    served; when blocks run out, the least urgent tier's newest is preempted, even
+    where a more urgent one was admitted after it."""
+    waiting = make()
+    for request_id, rank in (("flex", 2), ("default", 1), ("priority", 0), ("flex 2", 2),
+                             ("priority 2", 0)):
+        waiting.add(Sequence(request_id, [1, 2], 2, Sampling(), 0, len(waiting.waiting),
+                             rank=rank))
+    assert [s.request_id for s in waiting.waiting] == [
+        "priority", "priority 2", "default", "flex", "flex 2"]
+
+    batcher = make(num_blocks=5)
+    batcher.add(Sequence("flex", list(range(8)), 8, Sampling(), 0, 0, rank=2))
+    finish_step(batcher, batcher.schedule())  # 2 blocks, then its first token
+    batcher.add(Sequence("urgent", list(range(100, 108)), 8, Sampling(), 0, 1, rank=0))
+    finish_step(batcher, batcher.schedule())  # flex's 3rd block, urgent's 2: all 5
+    plan = batcher.schedule()  # urgent's 9th token needs a block: flex gives its 3
+    assert [c.seq.request_id for c in plan.chunks] == ["urgent"]
+    assert [s.request_id for s in batcher.waiting] == ["flex"]
+    assert batcher.num_preemptions == 1

@@ -8,9 +8,11 @@ import uuid
 import httpx
 import openai
 import pytest
+import redis
 import torch
 from transformers import AutoModelForCausalLM
 
+from pipeline.streams import Keys
 from pipeline.tokenizer import Tokenizer
 
 
@@ -282,3 +284,30 @@ def test_usage_counts_the_prompt_tokens_a_scheduler_found_in_its_prefix_cache(ti
         for _ in "ab"]
     assert generated[0]["cached_tokens"] == 0
     assert 0 < generated[1]["cached_tokens"] < generated[1]["prompt_tokens"]
+
+
+def test_a_service_tier_sends_a_request_down_its_own_lane(tier):
+    """service_tier picks the requests stream a request waits in (schedulers pull
+    "priority" first, "flex" last); the response says which tier served it."""
+    client = openai.OpenAI(base_url=f"{tier.base_url}/v1", api_key="unused", timeout=120)
+    model = client.models.list().data[0].id
+    redis_client = redis.Redis.from_url(tier.redis_url)
+    keys = Keys(tier.prefix)
+
+    def last_id(tier_name: str) -> str:
+        return redis_client.xinfo_stream(keys.lane(tier_name))["last-generated-id"].decode()
+
+    messages = [{"role": "user", "content": "Say hi."}]
+    for name in ("flex", "priority"):
+        before = last_id(name)
+        answer = client.chat.completions.create(model=model, messages=messages, max_tokens=2,
+                                                service_tier=name)
+        assert answer.service_tier == name and answer.choices[0].finish_reason
+        assert last_id(name) != before  # its Submit went down that lane
+    plain = httpx.post(f"{tier.base_url}/v1/completions", timeout=120, json={
+        "prompt": "Hi", "max_tokens": 2, "service_tier": "auto"}).json()
+    assert plain["service_tier"] == "default"
+    response = client.responses.create(model=model, input="Say hi.", max_output_tokens=2,
+                                       service_tier="flex")
+    assert response.service_tier == "flex"
+    redis_client.close()

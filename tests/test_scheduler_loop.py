@@ -183,3 +183,41 @@ def test_a_slow_grammar_holds_back_no_other_request(redis_url, prefix, model_fil
     assert all(f.param == "response_format" and "did not compile within 1 s" in f.detail
                for f in failures)
     assert refused_at_once
+
+
+def test_requests_run_by_service_tier_then_by_arrival(redis_url, prefix, model_files):
+    """With room for one request at a time, queued requests start most urgent tier
+    first, each tier's in arrival order: a lane is pulled only once the lanes before
+    it are empty."""
+    config = Config(model=str(model_files.path), redis=RedisConfig(
+        url=redis_url, prefix=prefix, heartbeat_s=600.0, alive_ttl_s=1800.0))
+    engine = Engine(model_files.path, SchedulerConfig(max_running_requests=1))
+    keys, client = Keys(prefix), StreamClient(redis_url)
+    arrivals = [("flex 1", "flex"), ("default 1", "default"), ("priority 1", "priority"),
+                ("flex 2", "flex"), ("priority 2", "priority"), ("default 2", "default")]
+
+    async def scenario(scheduler: Scheduler) -> list[str]:
+        try:
+            await scheduler.join()
+            for request_id, tier in arrivals:
+                await client.add(keys.lane(tier), submit(request_id, 20))
+            for _ in range(3000):  # a hang fails here, not at the suite's timeout
+                await scheduler.step()
+                if len(order := await finished(keys, client)) == len(arrivals):
+                    return order
+            raise AssertionError("the scheduler never got there")
+        finally:
+            await client.close()
+            await scheduler.client.close()
+
+    with ThreadPoolExecutor(1) as thread:
+        scheduler = Scheduler(config, engine, Tokenizer(model_files.path), thread)
+        order = asyncio.run(scenario(scheduler))
+    assert order == ["priority 1", "priority 2", "default 1", "default 2", "flex 1", "flex 2"]
+
+
+async def finished(keys: Keys, client: StreamClient) -> list[str]:
+    """The requests whose last tokens are on the tokens stream, in the order they ended."""
+    entries = await client.redis.xrange(keys.tokens)
+    batches = [tokens_decoder.decode(fields[FIELD]) for _, fields in entries]
+    return [o.request_id for b in batches for o in b.outputs if o.finish]

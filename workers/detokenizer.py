@@ -166,6 +166,6 @@ async def run(config: Config, model: ModelFiles, draining: asyncio.Event | None 
         except REDIS_DOWN as error:  # its batches are taken over after the TTL instead
             log.warning("its last replies could not be sent: %s", error)
         await leave_tier(detokenizer.client, detokenizer.keys, "detokenizer",
-                         detokenizer.worker_id, detokenizer.keys.tokens, DETOKENIZERS)
+                         detokenizer.worker_id, [detokenizer.keys.tokens], DETOKENIZERS)
     finally:
         beat.cancel()

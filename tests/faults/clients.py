@@ -58,11 +58,16 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict,
 
 
 async def stream_many(url: str, prompts: list[str], max_tokens: int = 32,
-                      started: asyncio.Event | None = None) -> list[Outcome]:
+                      started: asyncio.Event | None = None,
+                      tiers: tuple[str, ...] = ()) -> list[Outcome]:
+    """`tiers`: service tiers the prompts take in turn (none: the default)."""
     limits = httpx.Limits(max_connections=len(prompts) + 4)
+    bodies = [completion_body(p, max_tokens) for p in prompts]
+    for i, body in enumerate(bodies if tiers else []):
+        body["service_tier"] = tiers[i % len(tiers)]
     async with httpx.AsyncClient(limits=limits) as client:
-        return await asyncio.gather(*(stream_one(client, url, completion_body(p, max_tokens),
-                                                 started) for p in prompts))
+        return await asyncio.gather(*(stream_one(client, url, body, started)
+                                      for body in bodies))
 
 
 def prompts(n: int) -> list[str]:

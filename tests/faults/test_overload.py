@@ -12,6 +12,8 @@ from pipeline.status import live_workers
 
 
 def test_past_the_queue_limit_the_api_answers_503_with_retry_after_at_once(redis_url, make_tier):
+    """A queue counts toward a request's limit only in its lane and the more urgent
+    ones: behind a default backlog, a priority request is taken."""
     tier = make_tier(redis_url, **{"max-running-requests": "2", "max-queued-requests": "4"})
     tier.start("scheduler")
     tier.start("detokenizer")
@@ -20,19 +22,22 @@ def test_past_the_queue_limit_the_api_answers_503_with_retry_after_at_once(redis
     # 12 requests 2 at a time must outlast the 1.5 s below: 6 rounds of 64 steps
     body = {"prompt": "Once upon a time", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
 
-    async def one(client):
+    async def one(client, service_tier: str = "default"):
         t0 = time.monotonic()
-        response = await client.post(f"{url}/v1/completions", json=body, timeout=300)
+        response = await client.post(f"{url}/v1/completions", timeout=300,
+                                     json=body | {"service_tier": service_tier})
         return response, time.monotonic() - t0
 
     async def main():
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
             first = [asyncio.create_task(one(client)) for _ in range(12)]
             await asyncio.sleep(1.5)  # the frontend has seen the queue build up
-            late = await asyncio.gather(*(one(client) for _ in range(8)))
-            return await asyncio.gather(*first), late
+            late = asyncio.gather(*(one(client) for _ in range(8)))
+            urgent = await asyncio.gather(*(one(client, "priority") for _ in range(2)))
+            return await asyncio.gather(*first), await late, urgent
 
-    first, late = asyncio.run(main())
+    first, late, urgent = asyncio.run(main())
+    assert [r.status_code for r, _ in urgent] == [200, 200]
     refused = [(r, s) for r, s in late if r.status_code == 503]
     assert refused, [r.status_code for r, _ in late]
     for response, seconds in refused:

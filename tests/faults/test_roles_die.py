@@ -16,12 +16,12 @@ NUM_STREAMS = 16
 
 
 def _kill_after_start(url: str, victim, prompts_: list[str], max_tokens: int,
-                      after=None):
+                      after=None, tiers: tuple[str, ...] = ()):
     """Stream every prompt; SIGKILL `victim` once the streams are flowing."""
 
     async def main():
         started = asyncio.Event()
-        run = asyncio.create_task(stream_many(url, prompts_, max_tokens, started))
+        run = asyncio.create_task(stream_many(url, prompts_, max_tokens, started, tiers))
         await asyncio.wait_for(started.wait(), 120)
         os.kill(victim.pid, signal.SIGKILL)
         killed_at = time.monotonic()
@@ -35,6 +35,7 @@ def _kill_after_start(url: str, victim, prompts_: list[str], max_tokens: int,
 
 def test_a_killed_scheduler_s_requests_finish_on_another_exactly_as_undisturbed(
         own_redis, make_tier):
+    """In every service tier's lane: each continuation goes back down its own."""
     tier = make_tier(own_redis.url, **{"max-running-requests": "8"})
     victim = tier.start("scheduler")
     tier.start("scheduler")
@@ -44,7 +45,8 @@ def test_a_killed_scheduler_s_requests_finish_on_another_exactly_as_undisturbed(
     texts = prompts(NUM_STREAMS)
     reference = asyncio.run(stream_many(url, texts, 32))
     assert all(o.finish == "length" for o in reference)
-    got, recovery_s = _kill_after_start(url, victim, texts, 32)
+    got, recovery_s = _kill_after_start(url, victim, texts, 32,
+                                        tiers=("priority", "default", "flex"))
     figures = report("scheduler -9", reference, got, recovery_s=round(recovery_s, 2))
     assert figures["lost"] == 0 and figures["differing"] == 0
     assert all(o.error is None for o in got)

@@ -51,14 +51,22 @@ class Batcher:
         self.allocator = allocator
         self.max_running_requests = max_running_requests
         self.max_batch_tokens = max_batch_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in arrival order: the last is the newest
+        self.waiting: deque[Sequence] = deque()  # in admission order (Sequence.order)
+        self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
-        self.waiting.append(seq)
+        self._wait(seq)
+
+    def _wait(self, seq: Sequence) -> None:
+        """Into the queue behind every sequence that comes before it (Sequence.order):
+        a more urgent tier's, or its own tier's that arrived earlier."""
+        at = len(self.waiting)
+        while at > 0 and self.waiting[at - 1].order > seq.order:
+            at -= 1
+        self.waiting.insert(at, seq)
 
     def schedule(self) -> StepPlan:
         plan = StepPlan(block_size=self.allocator.block_size)
@@ -104,16 +112,17 @@ class Batcher:
         return None
 
     def _grow_decoding(self, budget: int) -> list[Sequence]:
-        """Decoding sequences that got a slot for their next token, oldest
-        first; the newest are preempted until the rest fit."""
+        """Decoding sequences that got a slot for their next token, the most urgent
+        tier's first, oldest first; the least urgent newest are preempted until the
+        rest fit."""
         granted: list[Sequence] = []
-        for seq in list(self.running):
+        for seq in sorted(self.running, key=lambda s: s.order):
             if len(granted) == budget:
                 break
             if seq.status is not Status.RUNNING or not seq.is_decoding:
                 continue
             while not self.allocator.may_append(seq.request_id, seq.num_tokens):
-                victim = self.running[-1]
+                victim = max(self.running, key=lambda s: s.order)  # the least urgent
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -129,7 +138,7 @@ class Batcher:
         if seq.collects_prompt:  # computed again from its start
             seq.prompt_logprobs = []
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        self._wait(seq)  # first of its tier again, as it arrived before the rest
         self.num_preemptions += 1
 
     def _admit(self, seq: Sequence, found: list[int]) -> None:

@@ -31,7 +31,7 @@ from workers.scheduler.layers import Driver
 from workers.scheduler.model import LlamaModel, read_spec
 from workers.scheduler.pace import Pace, StepRecord
 from workers.scheduler.sampler import Sampled, Sampler, plain_greedy, prompt_logprobs_of
-from workers.scheduler.sequence import Sequence
+from workers.scheduler.sequence import DEFAULT_RANK, Sequence
 
 PROMPT_ROWS = 256  # prompt logprobs' logits made at a time
 
@@ -42,6 +42,7 @@ class EngineRequest:
     prompt_ids: list[int]
     output_ids: list[int]  # already delivered: they count toward max_tokens and seed positions
     sampling: Sampling
+    rank: int = DEFAULT_RANK  # its service tier's: 0 the most urgent (pipeline.streams.TIERS)
 
 
 @dataclass
@@ -214,7 +215,7 @@ class Engine:
             request.request_id, list(request.prompt_ids) + list(request.output_ids),
             len(request.prompt_ids), sampling, seed, next(self.arrivals),
             stop_ids=frozenset(stop_ids), prompt_logprobs=[] if wants_prompt else None,
-            grammar=grammar))
+            grammar=grammar, rank=request.rank))
 
     def abort(self, request_id: str) -> bool:
         for result in self.done_on_arrival:

@@ -11,7 +11,7 @@ from pipeline.messages import Submit, TokenLogprob
 @dataclass
 class Running:
     submit: Submit
-    entry_id: str
+    entry: tuple[str, str]  # its Submit's lane and entry id (lanes.Ref)
     output_ids: list[int]  # everything the client will have: delivered before + generated here
     sent: int  # of output_ids, those on their way to the client; the rest are held
     held_logprobs: list[TokenLogprob] = field(default_factory=list)  # the held ids'

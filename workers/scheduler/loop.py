@@ -1,6 +1,7 @@
-"""The scheduler role: pulls Submits from {prefix}:requests (group
-"schedulers") only when the engine has room, reads Cancel/FrontendGone from
-{prefix}:control, and writes one TokenBatch per model step to {prefix}:tokens."""
+"""The scheduler role: pulls Submits from {prefix}:requests and the other service
+tiers' lanes (group "schedulers", the most urgent lane first) only when the engine has
+room, reads Cancel/FrontendGone from {prefix}:control, and writes one TokenBatch per
+model step to {prefix}:tokens."""
 
 from __future__ import annotations
 
@@ -34,20 +35,13 @@ from pipeline.recovery import (
     take_over,
     trim_below_pending,
 )
-from pipeline.streams import (
-    DETOKENIZERS,
-    SCHEDULERS,
-    Keys,
-    StreamClient,
-    group_entries,
-    read_entries,
-    xadd,
-)
+from pipeline.streams import DETOKENIZERS, SCHEDULERS, Keys, StreamClient, read_entries, xadd
 from pipeline.tokenizer import Tokenizer
 from pipeline.worker import new_worker_id
 from workers.scheduler.compiling import Compiles
 from workers.scheduler.engine import Engine, EngineRequest, StepResult
 from workers.scheduler.held import Running
+from workers.scheduler.lanes import Lanes, Pulled, Ref
 from workers.text import find_stop, stop_window
 
 log = logging.getLogger("pipeline.scheduler")
@@ -67,13 +61,14 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.keys = Keys(config.redis.prefix)
         self.worker_id = config.scheduler.scheduler_id or new_worker_id("scheduler")
+        self.lanes = Lanes(self.keys, self.worker_id)
         self.client = StreamClient(config.redis.url, block_ms=config.redis.read_block_ms)
         self.reader = self.client.reader()
         self.running: dict[str, Running] = {}
         self.control_id = "$"
         self.failures: list[Failed] = []
         self.unsent: list[TokenBatch] = []
-        self.to_ack: list[str] = []  # entries done with, acked with the tokens they wait for
+        self.to_ack: list[Ref] = []  # entries done with, acked with the tokens they wait for
         self.next_upkeep = 0.0
         self.num_expired = 0
         self.step_s = 0.0  # recent engine steps' average wall time (STEP_EMA)
@@ -85,18 +80,17 @@ class Scheduler:
         # go on meanwhile
 
     async def join(self) -> None:
-        for stream, group in ((self.keys.requests, SCHEDULERS), (self.keys.tokens, DETOKENIZERS)):
-            await self.client.ensure_group(stream, group)
-        await self.client.redis.xgroup_createconsumer(self.keys.requests, SCHEDULERS,
-                                                      self.worker_id)
+        await self.client.ensure_group(self.keys.tokens, DETOKENIZERS)
+        await self.lanes.join(self.client)
         if self.control_id == "$":
             self.control_id = await self.client.last_id(self.keys.control)
         # entries we hold but do not run: we restarted under the same id, or lost them
-        running = {run.entry_id for run in self.running.values()}
-        for entry in await take_over(self.client, self.keys.requests, SCHEDULERS, self.worker_id,
-                                     self.worker_id, 0):
-            if entry.entry_id not in running:
-                await self.turn_back(entry)
+        running = {run.entry for run in self.running.values()}
+        for lane in self.lanes.streams:
+            for entry in await take_over(self.client, lane, SCHEDULERS, self.worker_id,
+                                         self.worker_id, 0):
+                if (lane, entry.entry_id) not in running:
+                    await self.turn_back(lane, entry)
 
     async def step(self) -> None:
         """One engine step, with this scheduler's Redis traffic done while it
@@ -110,10 +104,9 @@ class Scheduler:
         # asked before the step: the engine is its thread's then
         room = 0 if self.draining.is_set() else self.engine.can_admit()
         if not self.engine.has_work():  # idle: wait for work, nothing to overlap
-            control, _ = await self.exchange(0)
-            requests = [] if room <= 0 else await self.reader.read_group(
-                self.keys.requests, SCHEDULERS, self.worker_id, count=room,
-                wait=not self.compiling)
+            control, requests = await self.exchange(room)
+            if room > 0 and not requests and not self.compiling:
+                requests = await self.lanes.wait_for_new(self.reader)
             await self.take(control, requests)
             if self.compiling and not requests:  # wait for a compile, a while at most
                 await self.compiling.wait(PULL_EVERY_S * 5)
@@ -145,7 +138,7 @@ class Scheduler:
             log.warning("drain time up: %d requests go to other schedulers", len(self.running))
         for request_id, run in list(self.running.items()):
             self.engine.abort(request_id)
-            self.to_ack.append(self.running.pop(request_id).entry_id)
+            self.to_ack.append(self.running.pop(request_id).entry)
             self.failures.append(Failed(request_id, run.submit.reply_to, RETRY,
                                         "its scheduler is shutting down", run.submit.attempt,
                                         died=False))
@@ -153,14 +146,14 @@ class Scheduler:
         self.drained = True
         return True
 
-    async def pull_while(self, running: asyncio.Future, room: int) -> list:
+    async def pull_while(self, running: asyncio.Future, room: int) -> list[Pulled]:
         """Requests that arrive while the engine steps, pulled every half a
         step (the recent steps' average, PULL_EVERY_S at least) up to `room`,
         so that they join after this step, not the next: one read at the
         step's start left an arrival waiting 1.5 steps on average. Steps
         shorter than two such periods (a few decodes) are left alone: there
         the wait costs more than it saves."""
-        taken: list = []
+        taken: list[Pulled] = []
         if self.step_s < 2 * PULL_EVERY_S:
             return taken
         every = self.step_s / 2
@@ -168,13 +161,11 @@ class Scheduler:
             done, _ = await asyncio.wait({running}, timeout=every)
             if done:
                 break
-            _, read = await self.client.transaction([], then=(
-                "XREADGROUP", "GROUP", SCHEDULERS, self.worker_id, "COUNT", room - len(taken),
-                "STREAMS", self.keys.requests, ">"))
-            taken += group_entries(read)
+            _, read = await self.client.transaction([], then=self.lanes.pull(room - len(taken)))
+            taken += self.lanes.pulled(read)
         return taken
 
-    async def exchange(self, room: int) -> tuple[list, list]:
+    async def exchange(self, room: int) -> tuple[list, list[Pulled]]:
         """One round trip, in one write (StreamClient.transaction, past
         redis-py's per-command work): what earlier steps produced and
         failures since, oldest first; acks; control entries; without
@@ -188,32 +179,29 @@ class Scheduler:
             self.unsent.append(TokenBatch(self.worker_id, [], failures))
         sending, acks = len(self.unsent), list(self.to_ack)
         commands = [xadd(self.keys.tokens, batch) for batch in self.unsent]
-        if acks:
-            commands.append(("XACK", self.keys.requests, SCHEDULERS, *acks))
+        commands += (ack_commands := self.lanes.acks(acks))
         commands.append(("XREAD", "COUNT", 512, "STREAMS", self.keys.control, self.control_id))
         if room > 0:
-            commands.append(("XREADGROUP", "GROUP", SCHEDULERS, self.worker_id, "COUNT", room,
-                             "STREAMS", self.keys.requests, ">"))
+            commands.append(self.lanes.pull(room))
         replies, _ = await self.client.transaction(commands)
         del self.unsent[:sending]
         self.to_ack = self.to_ack[len(acks):]
-        reads = replies[sending + bool(acks):]
+        reads = replies[sending + len(ack_commands):]
         control = [entry for _stream, entries in read_entries(reads[0]) for entry in entries]
         if control:
             self.control_id = control[-1][0]
-        return control, group_entries(reads[1]) if room > 0 else []
+        return control, self.lanes.pulled(reads[1]) if room > 0 else []
 
-    async def take(self, control: list, requests: list) -> None:
+    async def take(self, control: list, requests: list[Pulled]) -> None:
         for _entry_id, raw in control:
             self.on_control(raw)
         decoded = []
-        for entry_id, raw in requests:
+        for entry, raw in requests:
             try:
-                decoded.append((entry_id, requests_decoder.decode(raw)))
+                decoded.append((entry, requests_decoder.decode(raw)))
             except msgspec.DecodeError as error:
-                await self.client.dead_letter(self.keys.requests, entry_id, raw, str(error),
-                                              self.keys.dead_letters)
-                self.to_ack.append(entry_id)
+                await self.client.dead_letter(*entry, raw, str(error), self.keys.dead_letters)
+                self.to_ack.append(entry)
         if not decoded:
             return
         # which of them this tier sees first, all in one round trip: a burst of 64
@@ -224,52 +212,56 @@ class Scheduler:
                 pipe.set(self.keys.admitted(f"{submit.request_id}:{submit.attempt}"),
                          self.worker_id, nx=True, ex=ADMITTED_TTL_S)
             firsts = await pipe.execute()
-        for (entry_id, submit), first in zip(decoded, firsts, strict=True):
-            self.admit(entry_id, submit, bool(first))
+        for (entry, submit), first in zip(decoded, firsts, strict=True):
+            self.admit(entry, submit, bool(first))
 
     async def upkeep(self) -> None:
         """Once a heartbeat: keep our entries, drop abandoned work, rescue the dead's."""
         self.next_upkeep = time.monotonic() + self.config.redis.heartbeat_s
-        kept = await keep_own(self.client, self.keys.requests, SCHEDULERS, self.worker_id,
-                              [run.entry_id for run in self.running.values()])
-        lost = [r for r, run in self.running.items() if run.entry_id not in kept]
+        kept = set()
+        for lane in self.lanes.streams:
+            kept |= {(lane, entry_id) for entry_id in await keep_own(
+                self.client, lane, SCHEDULERS, self.worker_id,
+                [run.entry[1] for run in self.running.values() if run.entry[0] == lane])}
+        lost = [r for r, run in self.running.items() if run.entry not in kept]
         gone = await gone_frontends(self.client, self.keys,
                                     {run.submit.reply_to for run in self.running.values()})
         abandoned = [r for r, run in self.running.items() if run.submit.reply_to in gone]
         for request_id in set(lost) | set(abandoned):
             # lost: Redis lost the entry, so its frontend resubmits; abandoned: nobody listens
             self.engine.abort(request_id)
-            self.to_ack.append(self.running.pop(request_id).entry_id)
-        await self.rescue()
-        await trim_below_pending(self.client, self.keys.requests)
+            self.to_ack.append(self.running.pop(request_id).entry)
+        for lane in self.lanes.streams:
+            await self.rescue(lane)
+            await trim_below_pending(self.client, lane)
 
-    async def rescue(self) -> None:
-        """Requests a dead scheduler held go back to their frontends, which
+    async def rescue(self, lane: str) -> None:
+        """Requests a dead scheduler held in `lane` go back to their frontends, which
         resubmit them as continuations of what their clients already saw."""
         min_idle_ms = int(self.config.redis.alive_ttl_s * 1000)
-        for name, pending in await dead_consumers(self.client, self.keys, self.keys.requests,
-                                                  SCHEDULERS, "scheduler", self.worker_id):
+        for name, pending in await dead_consumers(self.client, self.keys, lane, SCHEDULERS,
+                                                  "scheduler", self.worker_id):
             if not pending:
-                await drop_consumer(self.client, self.keys.requests, SCHEDULERS, name)
+                await drop_consumer(self.client, lane, SCHEDULERS, name)
                 continue
-            claimed = await take_over(self.client, self.keys.requests, SCHEDULERS, name,
-                                      self.worker_id, min_idle_ms)
+            claimed = await take_over(self.client, lane, SCHEDULERS, name, self.worker_id,
+                                      min_idle_ms)
             for entry in claimed:
-                await self.turn_back(entry)
+                await self.turn_back(lane, entry)
             log.warning("took over %d requests of dead scheduler %s", len(claimed), name)
 
-    async def turn_back(self, entry: Claimed) -> None:
-        self.to_ack.append(entry.entry_id)
+    async def turn_back(self, lane: str, entry: Claimed) -> None:
+        self.to_ack.append((lane, entry.entry_id))
         try:
             submit = requests_decoder.decode(entry.raw)
         except msgspec.DecodeError as error:
-            await self.client.dead_letter(self.keys.requests, entry.entry_id, entry.raw,
+            await self.client.dead_letter(lane, entry.entry_id, entry.raw,
                                           f"undecodable after its scheduler died: {error}",
                                           self.keys.dead_letters)
             return
         if submit.deaths + 1 >= MAX_DEATHS:
             reason = f"{MAX_DEATHS} schedulers died running this request; not retried"
-            await self.client.dead_letter(self.keys.requests, entry.entry_id, entry.raw, reason,
+            await self.client.dead_letter(lane, entry.entry_id, entry.raw, reason,
                                           self.keys.dead_letters)
             self.failures.append(Failed(submit.request_id, submit.reply_to, "internal", reason,
                                         submit.attempt))
@@ -290,29 +282,28 @@ class Scheduler:
                 doomed = [r for r, run in self.running.items() if run.submit.reply_to == reply_to]
         for request_id in doomed:
             self.engine.abort(request_id)
-            self.to_ack.append(self.running.pop(request_id).entry_id)
+            self.to_ack.append(self.running.pop(request_id).entry)
 
-    def admit(self, entry_id: str, submit: Submit, first: bool) -> None:
+    def admit(self, entry: Ref, submit: Submit, first: bool) -> None:
         """`first`: no scheduler took this attempt before (take's SET NX)."""
         if not first:  # a retried XADD delivered it twice: run it once
-            self.to_ack.append(entry_id)
+            self.to_ack.append(entry)
             return
         if (old := self.running.pop(submit.request_id, None)) is not None:
             self.engine.abort(submit.request_id)  # a newer attempt supersedes it
-            self.to_ack.append(old.entry_id)
+            self.to_ack.append(old.entry)
         try:
             if submit.deadline_ms is not None and submit.deadline_ms < time.time() * 1000:
                 self.num_expired += 1
                 raise RequestTimeout("the request expired before a scheduler could start it")
             self.check(submit)
-            run = Running(submit, entry_id, list(submit.output_ids), len(submit.output_ids))
+            run = Running(submit, entry, list(submit.output_ids), len(submit.output_ids))
             if self.compiling.needed(submit.sampling.structure):
                 self.compiling.start(run)
             else:
-                self.engine.add(EngineRequest(submit.request_id, submit.prompt_ids,
-                                              list(submit.output_ids), submit.sampling))
+                self.engine.add(self.engine_request(run))
         except PipelineError as error:
-            self.refuse(submit, entry_id, error)
+            self.refuse(submit, entry, error)
             return
         self.running[submit.request_id] = run
 
@@ -326,16 +317,20 @@ class Scheduler:
             try:
                 if error is not None:
                     raise error
-                self.engine.add(EngineRequest(submit.request_id, submit.prompt_ids,
-                                              list(submit.output_ids), submit.sampling))
+                self.engine.add(self.engine_request(run))
             except PipelineError as refused:
                 del self.running[submit.request_id]
-                self.refuse(submit, run.entry_id, refused)
+                self.refuse(submit, run.entry, refused)
 
-    def refuse(self, submit: Submit, entry_id: str, error: PipelineError) -> None:
+    def engine_request(self, run: Running) -> EngineRequest:
+        submit = run.submit
+        return EngineRequest(submit.request_id, submit.prompt_ids, list(submit.output_ids),
+                             submit.sampling, rank=self.lanes.rank(run.entry[0]))
+
+    def refuse(self, submit: Submit, entry: Ref, error: PipelineError) -> None:
         self.failures.append(Failed(submit.request_id, submit.reply_to, error.code,
                                     error.detail, submit.attempt, param=error.param))
-        self.to_ack.append(entry_id)
+        self.to_ack.append(entry)
 
     def check(self, submit: Submit) -> None:
         """Entries can be written by anyone with access to Redis: trust nothing."""
@@ -374,7 +369,7 @@ class Scheduler:
                 if result.finish is None:
                     self.engine.abort(result.request_id)
         if finish is not None:
-            self.to_ack.append(self.running.pop(result.request_id).entry_id)
+            self.to_ack.append(self.running.pop(result.request_id).entry)
         if not run.due(finish):
             return None
         offset, run.sent = run.sent, len(run.output_ids)

@@ -27,7 +27,7 @@ async def run(config: Config, model: ModelFiles, draining: asyncio.Event | None 
         engine_thread, Engine, model.path, config.scheduler)
     scheduler = Scheduler(config, engine, Tokenizer(model.path), engine_thread, draining)
     await retrying(scheduler.join, "scheduler join")
-    log.info("scheduler %s pulling %s", scheduler.worker_id, scheduler.keys.requests)
+    log.info("scheduler %s pulling %s", scheduler.worker_id, ", ".join(scheduler.lanes.streams))
     beat = asyncio.create_task(heartbeat_forever(
         scheduler.client, scheduler.keys, "scheduler", scheduler.worker_id, config.redis,
         scheduler.info))
@@ -36,6 +36,6 @@ async def run(config: Config, model: ModelFiles, draining: asyncio.Event | None 
                       until=lambda: scheduler.drained)
         beat.cancel()
         await leave_tier(scheduler.client, scheduler.keys, "scheduler", scheduler.worker_id,
-                         scheduler.keys.requests, SCHEDULERS)
+                         scheduler.lanes.streams, SCHEDULERS)
     finally:
         beat.cancel()

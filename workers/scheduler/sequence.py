@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from pipeline.messages import Sampling, TokenLogprob
+from pipeline.streams import TIERS
+
+DEFAULT_RANK = TIERS.index("default")
 
 
 class Status(Enum):
@@ -35,6 +38,12 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob] | None = None
     grammar: object = None  # an xgrammar matcher where Sampling.structure holds it
     num_cached_tokens: int = 0  # prompt tokens its latest admission found in the prefix cache
+    rank: int = DEFAULT_RANK  # its service tier's: 0 the most urgent, first admitted
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Admission order: the most urgent tier first, then first come first served."""
+        return self.rank, self.arrival
 
     @property
     def collects_prompt(self) -> bool:
