@@ -27,6 +27,26 @@ def reasoning_start(tokenizer: Tokenizer, prompt_ids: list[int]) -> str | None:
     return "inside" if tail.endswith(OPEN) else "before"
 
 
+def reasoning_tokens(tokenizer: Tokenizer, start: str | None, output_ids: list[int]) -> int:
+    """How many of the output's tokens are its thought (`start`: reasoning_start's),
+    up to the one that completes </think>; all of them where the thought never ended."""
+    if start is None or not output_ids:
+        return 0
+    text = tokenizer.decode(output_ids, skip_special_tokens=False)
+    if start == "before" and not text.lstrip().startswith(OPEN):
+        return 0  # it answered without a thought
+    if CLOSE not in text:
+        return len(output_ids)
+    low, high = 1, len(output_ids)  # the shortest head whose text holds </think>
+    while low < high:
+        middle = (low + high) // 2
+        if CLOSE in tokenizer.decode(output_ids[:middle], skip_special_tokens=False):
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
 def think_first(structure: Structure | None, start: str | None) -> Structure | None:
     """`structure` (response_format's, or tool calls') held only after a thought: a
     reasoning model thinks first, as it was trained to, then answers in the structure."""

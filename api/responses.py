@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from api.reasoning import reasoning_tokens
 from api.streaming import Choice, Event, Run
 from api.tools import OutputReader, ToolCalls
 from pipeline.messages import Delta, Sampling, TokenLogprob
@@ -49,8 +50,10 @@ class Job:
         return {"id": self.response_id, "object": kind + suffix, "created": self.created,
                 "model": self.model, "service_tier": self.service_tier}
 
-    def usage(self, choices: list[Choice]) -> dict:
+    def usage(self, choices: list[Choice], tokenizer: Tokenizer) -> dict:
         completion_tokens = sum(len(choice.token_ids) for choice in choices)
+        thought = sum(reasoning_tokens(tokenizer, self.reasoning, choice.token_ids)
+                      for choice in choices)
         # each prompt counted once, however many choices share it; of its tokens, those
         # its choices all found in a scheduler's prefix cache
         prompt_tokens = sum(len(prompt_ids) for prompt_ids in self.prompts)
@@ -59,12 +62,14 @@ class Job:
                      for i in range(0, len(choices), n))
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+                "prompt_tokens_details": {"cached_tokens": cached},
+                "completion_tokens_details": {"reasoning_tokens": thought}}
 
 
 def whole_response(job: Job, tokenizer: Tokenizer, choices: list[Choice]) -> dict:
     body = [_choice(job, tokenizer, index, choice) for index, choice in enumerate(choices)]
-    return job.envelope(is_chunk=False) | {"choices": body, "usage": job.usage(choices)}
+    return job.envelope(is_chunk=False) | {"choices": body,
+                                           "usage": job.usage(choices, tokenizer)}
 
 
 def _choice(job: Job, tokenizer: Tokenizer, index: int, choice: Choice) -> dict:
@@ -128,7 +133,8 @@ async def stream_chunks(job: Job, tokenizer: Tokenizer,
                 chunk_choice = _chunk_choice(job, tokenizer, index, delta, text_offset)
                 yield job.envelope(is_chunk=True) | {"choices": [chunk_choice]}
     if job.include_usage:
-        yield job.envelope(is_chunk=True) | {"choices": [], "usage": job.usage(choices)}
+        yield job.envelope(is_chunk=True) | {"choices": [],
+                                             "usage": job.usage(choices, tokenizer)}
 
 
 def _read_choice(job: Job, tokenizer: Tokenizer, index: int, delta: Delta,

@@ -25,6 +25,7 @@ from api.served import Served, served
 from api.streaming import Choice, Event, EventStream, collect, started
 from api.tools import OutputReader
 from pipeline.errors import PipelineError
+from pipeline.tokenizer import Tokenizer
 
 router = APIRouter()
 ServedDep = Annotated[Served, Depends(served)]
@@ -37,11 +38,12 @@ async def create_response(body: ResponsesRequest, request: Request, s: ServedDep
         job = dataclasses.replace(job, response_id=f"resp_{uuid.uuid4().hex}")
         events = job_events(job, body.stream, s)
         if body.stream:
-            return EventStream(_events(job, body, await started(events)), encode=_sse)
+            return EventStream(_events(job, body, await started(events), s.tokenizer),
+                               encode=_sse)
         [choice] = await collect(request, events, 1)
     except PipelineError as error:
         raise responses_param(error) from None
-    return _finished(job, body, choice)
+    return _finished(job, body, choice, s.tokenizer)
 
 
 def _shell(job: Job, body: ResponsesRequest, status: str, output: list, usage=None,
@@ -57,7 +59,8 @@ def _shell(job: Job, body: ResponsesRequest, status: str, output: list, usage=No
             "metadata": body.metadata or {}, "store": False, "service_tier": job.service_tier}
 
 
-def _finished(job: Job, body: ResponsesRequest, choice: Choice, output: list | None = None):
+def _finished(job: Job, body: ResponsesRequest, choice: Choice, tokenizer: Tokenizer,
+              output: list | None = None):
     """The whole response: `output` as streamed, or made from the choice's text."""
     if output is None:
         reader = OutputReader(job.tool_calls, job.reasoning)
@@ -66,11 +69,11 @@ def _finished(job: Job, body: ResponsesRequest, choice: Choice, output: list | N
         if reader.content or not reader.calls:
             output.append(_message(_id("msg"), reader.content, "completed"))
         output += [_call(_id("fc"), call, "completed") for call in reader.calls]
-    usage = job.usage([choice])
+    usage = job.usage([choice], tokenizer)
     usage = {"input_tokens": usage["prompt_tokens"],
              "input_tokens_details": usage["prompt_tokens_details"],
              "output_tokens": usage["completion_tokens"],
-             "output_tokens_details": {"reasoning_tokens": 0},
+             "output_tokens_details": usage["completion_tokens_details"],
              "total_tokens": usage["total_tokens"]}
     status = "incomplete" if choice.finish == "length" else "completed"
     return _shell(job, body, status, output, usage, choice.finish)
@@ -174,8 +177,8 @@ class _Items:
         return {"item_id": self.open[1], "output_index": len(self.done)}
 
 
-async def _events(job: Job, body: ResponsesRequest,
-                  events: AsyncIterator[Event]) -> AsyncIterator[dict]:
+async def _events(job: Job, body: ResponsesRequest, events: AsyncIterator[Event],
+                  tokenizer: Tokenizer) -> AsyncIterator[dict]:
     numbers = itertools.count()
 
     def event(kind: str, **fields) -> dict:
@@ -197,7 +200,7 @@ async def _events(job: Job, body: ResponsesRequest,
                 yield each
     for each in items.close():
         yield each
-    whole = _finished(job, body, choice, items.done)
+    whole = _finished(job, body, choice, tokenizer, items.done)
     kind = "response.incomplete" if whole["status"] == "incomplete" else "response.completed"
     yield event(kind, response=whole)
 

@@ -138,7 +138,9 @@ def _logit_bias(bias: dict[str, float], limits: Limits) -> dict[int, float]:
     if len(bias) > MAX_LOGIT_BIAS:
         raise InvalidRequest(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens",
                              param="logit_bias")
-    if bad := next((key for key in bias if not key.isdigit()), None):
+    # ASCII digits only: "" and "²" are not ids (int() fails on both; "" is falsy)
+    bad = next((key for key in bias if not (key.isascii() and key.isdigit())), None)
+    if bad is not None:
         raise InvalidRequest(f"logit_bias keys are token ids, got {bad!r}", param="logit_bias")
     ids = {int(key): value for key, value in bias.items()}
     check_token_ids("logit_bias", list(ids), limits)

@@ -168,7 +168,7 @@ async def test_empty_unknown_token_or_too_many_prompts_are_400s(client, path, bo
 
 
 @pytest.mark.parametrize("bias", [
-    {"a": 1.0}, {"-3": 1.0}, {"49152": 1.0}, {"42": 100.5}, {"42": -101},
+    {"a": 1.0}, {"-3": 1.0}, {"": 0.0}, {"²": 1.0}, {"49152": 1.0}, {"42": 100.5}, {"42": -101},
     {str(i): 1.0 for i in range(301)},
 ])
 async def test_a_logit_bias_off_the_vocabulary_or_range_is_a_400(client, bias):

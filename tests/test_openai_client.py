@@ -259,7 +259,7 @@ def test_usage_counts_the_prompt_tokens_a_scheduler_found_in_its_prefix_cache(ti
     """A prompt sent again is computed from the prefix cache's full blocks: its usage
     says how many of its tokens were found there (OpenAI's cached_tokens), in every
     route's shape; a first sending found only what it shares with earlier prompts (a
-    chat: its template's system prompt; here /generate's: nothing)."""
+    chat: its template's system prompt)."""
     client = openai.OpenAI(base_url=f"{tier.base_url}/v1", api_key="unused", timeout=120)
     model = client.models.list().data[0].id
     messages = [{"role": "user", "content": f"Note {uuid.uuid4().hex}: " + ", ".join(
@@ -282,8 +282,8 @@ def test_usage_counts_the_prompt_tokens_a_scheduler_found_in_its_prefix_cache(ti
     generated = [httpx.post(f"{tier.base_url}/generate", timeout=120, json={
         "text": prompt, "sampling_params": {"max_new_tokens": 2}}).json()["meta_info"]
         for _ in "ab"]
-    assert generated[0]["cached_tokens"] == 0
-    assert 0 < generated[1]["cached_tokens"] < generated[1]["prompt_tokens"]
+    assert generated[0]["cached_tokens"] < generated[1]["cached_tokens"]
+    assert generated[1]["prompt_tokens"] - generated[1]["cached_tokens"] <= 16
 
 
 def test_a_service_tier_sends_a_request_down_its_own_lane(tier):

@@ -100,17 +100,43 @@ def test_chat_replies_carry_the_thought_as_reasoning_content(model_files):
             assert whole["message"]["content"] == "Blue."
 
 
-def test_a_response_puts_the_thought_in_a_reasoning_item():
+def test_a_response_puts_the_thought_in_a_reasoning_item(model_files):
+    tokenizer = Tokenizer(model_files.path)
     job = _job(reasoning="before")
     body = ResponsesRequest(input="Name a color.")
-    whole = _finished(job, body, Choice(text=THOUGHT, finish="stop"))
+    choice = Choice(text=THOUGHT, finish="stop", token_ids=tokenizer.encode(THOUGHT))
+    whole = _finished(job, body, choice, tokenizer)
+    thought_tokens = whole["usage"]["output_tokens_details"]["reasoning_tokens"]
+    assert 0 < thought_tokens < whole["usage"]["output_tokens"]
     assert [item["type"] for item in whole["output"]] == ["reasoning", "message"]
     assert whole["output"][0]["content"][0]["text"] == "The user wants a color.\n"
     assert whole["output"][1]["content"][0]["text"] == "Blue."
-    events = _run(_events(job, body, _deltas(THOUGHT)))
+    events = _run(_events(job, body, _deltas(THOUGHT), tokenizer))
     final = events[-1]["response"]
     assert [item["type"] for item in final["output"]] == ["reasoning", "message"]
     assert [item["content"] for item in final["output"]] == [
         item["content"] for item in whole["output"]]
     added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
     assert added == ["reasoning", "message"]
+
+
+@pytest.mark.parametrize(("start", "output", "counted"), [
+    ("before", THOUGHT, "thought"), ("inside", "Short.</think>Blue.", "thought"),
+    ("inside", "Still thinking when cut", "all"), ("before", "Blue, no thought.", "none"),
+    (None, THOUGHT, "none"),
+])
+def test_usage_counts_the_tokens_up_to_the_end_of_the_thought(model_files, start, output,
+                                                              counted):
+    """reasoning_tokens: up to the token that completes </think>; every token of a
+    thought cut short; none where the model does not think or did not."""
+    tokenizer = Tokenizer(model_files.path)
+    ids = tokenizer.encode(output)
+    job = _job(reasoning=start)
+    usage = whole_response(job, tokenizer, [Choice(text=output, token_ids=ids,
+                                                   finish="stop")])["usage"]
+    made = usage["completion_tokens_details"]["reasoning_tokens"]
+    if counted == "thought":
+        assert "</think>" in tokenizer.decode(ids[:made], skip_special_tokens=False)
+        assert "</think>" not in tokenizer.decode(ids[:made - 1], skip_special_tokens=False)
+    else:
+        assert made == {"all": len(ids), "none": 0}[counted]
