@@ -26,7 +26,7 @@ from pipeline.messages import (
     Submit,
     replies_decoder,
 )
-from pipeline.recovery import queue_depth
+from pipeline.recovery import queue_depths
 from pipeline.streams import SCHEDULERS, TIERS, Keys, StreamClient
 from pipeline.worker import retrying
 
@@ -262,10 +262,8 @@ class Frontend:
     async def _watch_queue(self) -> None:
         while True:
             try:
-                self.queue_depths = [
-                    await queue_depth(self.client, lane, SCHEDULERS,
-                                      self.config.max_queued_requests)
-                    for lane in self.keys.lanes]
+                self.queue_depths = await queue_depths(self.client, self.keys.lanes, SCHEDULERS,
+                                                       self.config.max_queued_requests)
             except Exception as error:
                 log.debug("queue depth unavailable: %s", error)
             await asyncio.sleep(0.2)

@@ -15,7 +15,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Column, Table
 
-from pipeline.recovery import queue_depth
+from pipeline.recovery import queue_depths
 from pipeline.streams import SCHEDULERS, WORKERS_KEPT_S, Keys, StreamClient
 
 
@@ -62,8 +62,8 @@ def queued_requests(redis_url: str, prefix: str) -> int:
     async def read() -> int:
         client = StreamClient(redis_url)
         try:
-            return sum([await queue_depth(client, lane, SCHEDULERS, QUEUE_LIMIT, exact=True)
-                        for lane in Keys(prefix).lanes])
+            return sum(await queue_depths(client, Keys(prefix).lanes, SCHEDULERS, QUEUE_LIMIT,
+                                          exact=True))
         finally:
             await client.close()
 
