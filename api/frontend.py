@@ -143,7 +143,7 @@ class Frontend:
         self.states[request_id] = state
         loop = asyncio.get_running_loop()
         expiry = loop.call_later(timeout_s, state.events.put_nowait, EXPIRED)
-        generation = self.metrics.generation(len(prompt_ids), is_streamed=stream_interval != 0)
+        generation = self.metrics.generation(len(prompt_ids), stream_interval != 0, service_tier)
         outcome = "cancelled"  # unless it ends otherwise: the caller stopped reading
         try:
             async with asyncio.timeout_at(loop.time() + timeout_s):  # Redis down: no end

@@ -67,14 +67,15 @@ class Metrics:
             "pipeline_generations", "Generations ended, by outcome: stop, length, or the "
             "error code (timeout, cancelled, overloaded, ...)", ["outcome"], registry=own)
         self.ttft = Histogram("pipeline_time_to_first_token_seconds",
-                              "Streamed generations' time from submit to the first token",
-                              buckets=SECONDS, registry=own)
+                              "Streamed generations' time from submit to the first token, "
+                              "by service tier", ["service_tier"], buckets=SECONDS, registry=own)
         self.tpot = Histogram("pipeline_time_per_output_token_seconds",
-                              "Streamed generations' mean time a token after the first",
-                              buckets=TOKEN_SECONDS, registry=own)
+                              "Streamed generations' mean time a token after the first, "
+                              "by service tier", ["service_tier"], buckets=TOKEN_SECONDS,
+                              registry=own)
         self.e2e = Histogram("pipeline_generation_duration_seconds",
-                             "Time from submit to a generation's end", buckets=SECONDS,
-                             registry=own)
+                             "Time from submit to a generation's end, by service tier",
+                             ["service_tier"], buckets=SECONDS, registry=own)
         self.resubmits = Counter("pipeline_resubmits",
                                  "Requests resubmitted after their scheduler died",
                                  registry=own)
@@ -84,23 +85,26 @@ class Metrics:
         self.http_requests.labels(route, str(code)).inc()
         self.http_seconds.labels(route).observe(seconds)
 
-    def generation(self, num_prompt_tokens: int, is_streamed: bool) -> Generation:
+    def generation(self, num_prompt_tokens: int, is_streamed: bool,
+                   service_tier: str = "default") -> Generation:
         self.prompt_tokens.inc(num_prompt_tokens)
-        return Generation(self, is_streamed)
+        return Generation(self, is_streamed, service_tier)
 
-    def render(self, workers: list[dict] | None, queued_requests: int) -> bytes:
+    def render(self, workers: list[dict] | None, queued: dict[str, int]) -> bytes:
         """The exposition text: this process's (or every worker's) metrics, then
-        the tier's from `workers` (pipeline.status.records; None: Redis unreachable)."""
-        tier = _Snapshot(tier_families(workers, queued_requests))
+        the tier's from `workers` (pipeline.status.records; None: Redis unreachable)
+        and `queued` (service tier -> requests no scheduler has admitted yet)."""
+        tier = _Snapshot(tier_families(workers, queued))
         return generate_latest(self.registry) + generate_latest(tier)
 
 
 class Generation:
     """One generation's figures, observed as its deltas arrive."""
 
-    def __init__(self, metrics: Metrics, is_streamed: bool):
+    def __init__(self, metrics: Metrics, is_streamed: bool, service_tier: str):
         self.metrics = metrics
         self.is_streamed = is_streamed  # a whole response's one delta says nothing of TTFT
+        self.service_tier = service_tier
         self.start = time.perf_counter()
         self.first: float | None = None
         self.num_tokens = 0
@@ -109,35 +113,38 @@ class Generation:
         if num_tokens and self.first is None:
             self.first = time.perf_counter()
             if self.is_streamed:
-                self.metrics.ttft.observe(self.first - self.start)
+                self.metrics.ttft.labels(self.service_tier).observe(self.first - self.start)
         self.num_tokens += num_tokens
         self.metrics.generation_tokens.inc(num_tokens)
 
     def end(self, outcome: str) -> None:
         now = time.perf_counter()
         self.metrics.generations.labels(outcome).inc()
-        self.metrics.e2e.observe(now - self.start)
+        self.metrics.e2e.labels(self.service_tier).observe(now - self.start)
         if self.is_streamed and self.first is not None and self.num_tokens > 1:
-            self.metrics.tpot.observe((now - self.first) / (self.num_tokens - 1))
+            self.metrics.tpot.labels(self.service_tier).observe(
+                (now - self.first) / (self.num_tokens - 1))
 
 
-def tier_families(workers: list[dict] | None, queued_requests: int) -> list[Metric]:
+def tier_families(workers: list[dict] | None, queued: dict[str, int]) -> list[Metric]:
     redis_up = GaugeMetricFamily("pipeline_redis_up", "Whether this api reached Redis to "
                                  "read the tier's state", value=int(workers is not None))
     workers = workers or []
     roles = GaugeMetricFamily("pipeline_workers", "Live workers, by role", labels=["role"])
     for role, count in sorted(Tally(str(w.get("role")) for w in workers).items()):
         roles.add_metric([role], count)
-    queued = GaugeMetricFamily("pipeline_queued_requests",
-                               "Requests no scheduler has admitted yet, tier-wide",
-                               value=queued_requests)
+    waiting = GaugeMetricFamily("pipeline_queued_requests", "Requests no scheduler has "
+                                "admitted yet, tier-wide, by service tier",
+                                labels=["service_tier"])
+    for service_tier, count in queued.items():
+        waiting.add_metric([service_tier], count)
     in_flight = GaugeMetricFamily("pipeline_api_in_flight_requests",
                                   "Requests in flight, by api frontend", labels=["frontend"])
     for worker in workers:
         if worker.get("role") == "api" and _is_number(worker.get("in_flight")):
             in_flight.add_metric([str(worker.get("id"))], worker["in_flight"])
     schedulers = [w for w in workers if w.get("role") == "scheduler"]
-    return [redis_up, roles, queued, in_flight, *_scheduler_families(schedulers)]
+    return [redis_up, roles, waiting, in_flight, *_scheduler_families(schedulers)]
 
 
 def _scheduler_families(schedulers: list[dict]) -> Iterable[Metric]:

@@ -22,6 +22,7 @@ from api.streaming import Choice, Event, EventStream, choice_events, collect, st
 from pipeline.errors import InvalidRequest, PipelineError
 from pipeline.messages import Sampling, Structure
 from pipeline.status import read_live_workers
+from pipeline.streams import TIERS
 from pipeline.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -51,7 +52,8 @@ async def metrics(s: ServedDep):
             workers = await read_live_workers(frontend.client.redis, frontend.keys.prefix)
     except Exception:  # pipeline_redis_up 0; the api's own figures still say something
         workers = None
-    return Response(frontend.metrics.render(workers, frontend.queue_depth),
+    queued = dict(zip(TIERS, frontend.queue_depths, strict=True))
+    return Response(frontend.metrics.render(workers, queued),
                     media_type=CONTENT_TYPE_LATEST)
 
 

@@ -36,7 +36,8 @@ def test_a_tiers_requests_tokens_and_latencies_are_counted(tier):
     before, _ = scrape(tier.base_url)
     body = {"prompt": "Once upon a time", "max_tokens": 6, "ignore_eos": True}
     with httpx.Client(base_url=tier.base_url, timeout=120) as client:
-        with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as stream:
+        with client.stream("POST", "/v1/completions",
+                           json=body | {"stream": True, "service_tier": "priority"}) as stream:
             assert stream.status_code == 200 and "[DONE]" in stream.read().decode()
         whole = client.post("/v1/completions", json=body)
         assert whole.status_code == 200
@@ -59,12 +60,15 @@ def test_a_tiers_requests_tokens_and_latencies_are_counted(tier):
     assert grew("pipeline_generation_tokens_total") == 12
     prompt_tokens = whole.json()["usage"]["prompt_tokens"]
     assert grew("pipeline_prompt_tokens_total") == 2 * prompt_tokens
-    assert grew("pipeline_generation_duration_seconds_count") == 2
+    for tier_name in ("priority", "default"):  # latencies by service tier
+        assert grew("pipeline_generation_duration_seconds_count", service_tier=tier_name) == 1
     # time to first token and per token: the streamed generation's alone
-    assert grew("pipeline_time_to_first_token_seconds_count") == 1
-    assert grew("pipeline_time_per_output_token_seconds_count") == 1
-    first = grew("pipeline_time_to_first_token_seconds_sum")
-    assert 0 < first < grew("pipeline_generation_duration_seconds_sum")
+    assert grew("pipeline_time_to_first_token_seconds_count", service_tier="priority") == 1
+    assert grew("pipeline_time_to_first_token_seconds_count", service_tier="default") == 0
+    assert grew("pipeline_time_per_output_token_seconds_count", service_tier="priority") == 1
+    first = grew("pipeline_time_to_first_token_seconds_sum", service_tier="priority")
+    assert 0 < first < grew("pipeline_generation_duration_seconds_sum", service_tier="priority")
+    assert ("pipeline_queued_requests", (("service_tier", "flex"),)) in after
 
 
 def test_the_tiers_workers_and_scheduler_state_come_from_redis(tier):
@@ -108,14 +112,15 @@ def test_malformed_liveness_records_are_skipped_not_a_failed_scrape():
                      b'"num_running": 3, "busy": null, "num_blocks": true}',
                      b'{"role": ["odd"], "num_running": 1}', b'{"role": "scheduler"}'])
     assert len(found) == 4
-    by_name = {family.name: family for family in tier_families(found, 0)}
+    by_name = {family.name: family for family in tier_families(found, {"default": 0})}
     assert [s.value for s in by_name["pipeline_api_in_flight_requests"].samples] == []
     assert [(s.labels, s.value) for s in by_name["pipeline_workers"].samples] == [
         ({"role": "['odd']"}, 1), ({"role": "api"}, 1), ({"role": "scheduler"}, 2)]
     assert [s.value for s in by_name["pipeline_scheduler_running_requests"].samples] == [3]
     assert by_name["pipeline_scheduler_busy_ratio"].samples == []
     assert by_name["pipeline_scheduler_kv_blocks"].samples == []
-    text = Metrics().render(found, 0).decode()
+    text = Metrics().render(found, {"flex": 3}).decode()
+    assert 'pipeline_queued_requests{service_tier="flex"} 3.0' in text.splitlines()
     assert 'pipeline_workers{role="scheduler"} 2.0' in text.splitlines()
 
 
