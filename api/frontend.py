@@ -111,11 +111,6 @@ class Frontend:
         await self.client.redis.delete(self.reply_to, alive)
         await self.client.redis.zrem(self.keys.workers, alive)
 
-    @property
-    def queue_depth(self) -> int:
-        """Unadmitted requests tier-wide, every lane's."""
-        return sum(self.queue_depths)
-
     async def generate(
         self, prompt_ids: list[int], sampling: Sampling, request_id: str | None = None,
         timeout_s: float | None = None, stream_interval: int = 1,

@@ -62,6 +62,7 @@ class BenchOptions:
     api_key: str | None = None
     seed: int = 0
     timeout_s: float = 600.0
+    service_tier: str | None = None  # OpenAI's field, sent where set
 
 
 @dataclass
@@ -107,6 +108,8 @@ def request_body(options: BenchOptions, model: str, prompt: str) -> tuple[str, d
                   "stream_options": {"include_usage": True}}
     if options.ignore_eos:
         body["ignore_eos"] = True  # an extra field; vLLM, SGLang and ours honor it
+    if options.service_tier is not None:
+        body["service_tier"] = options.service_tier
     if options.endpoint == Endpoint.chat:
         return "/chat/completions", body | {"messages": [{"role": "user", "content": prompt}]}
     return "/completions", body | {"prompt": prompt}
@@ -283,6 +286,8 @@ ModelOpt = Annotated[str | None, typer.Option(help="Default: first of GET /v1/mo
 ApiKey = Annotated[str | None, typer.Option(help="Sent as 'Authorization: Bearer KEY'.")]
 Seed = Annotated[int, typer.Option(help="Seed for the prompts and the arrival times.")]
 JsonPath = Annotated[Path | None, typer.Option("--json", help="Write the results here.")]
+ServiceTierOpt = Annotated[str | None, typer.Option(
+    help="Send this service_tier (auto, default, flex, priority).")]
 
 
 def bench_command(
@@ -291,12 +296,14 @@ def bench_command(
     prompt_words: PromptWords = 24, max_tokens: MaxTokens = 64, ignore_eos: IgnoreEos = False,
     endpoint: EndpointOpt = Endpoint.completions, model: ModelOpt = None,
     api_key: ApiKey = None, seed: Seed = 0, json_path: JsonPath = None,
+    service_tier: ServiceTierOpt = None,
 ) -> None:
     """Benchmark an OpenAI-compatible server: throughput and TTFT/TPOT/ITL/E2E latency."""
     options = BenchOptions(
         base_url=base_url, num_requests=num_requests, concurrency=concurrency,
         request_rate=request_rate, prompt_words=prompt_words, max_tokens=max_tokens,
-        ignore_eos=ignore_eos, endpoint=endpoint, model=model, api_key=api_key, seed=seed)
+        ignore_eos=ignore_eos, endpoint=endpoint, model=model, api_key=api_key, seed=seed,
+        service_tier=service_tier)
     console = Console()
     try:
         summary = run_bench(options)

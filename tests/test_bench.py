@@ -87,6 +87,7 @@ def peer_app() -> FastAPI:
     app = FastAPI()
     numbers = itertools.count()
     app.state.clients = []  # (host, port) of each request: which connection carried it
+    app.state.tiers = []  # each request's service_tier, if it sent one
 
     @app.get("/v1/models")
     async def models():
@@ -95,6 +96,7 @@ def peer_app() -> FastAPI:
     async def generate(request: Request, is_chat: bool):
         app.state.clients.append((request.client.host, request.client.port))
         body = await request.json()
+        app.state.tiers.append(body.get("service_tier"))
         if body["model"] in ("split", "cut", "hang"):
             return StreamingResponse(peer_awkward(body["model"]), media_type="text/event-stream")
         if body["model"] == "empty":
@@ -327,3 +329,10 @@ def test_tier_cpu_finds_a_tiers_processes_and_splits_the_scheduler(tier):
     after = tc.cpu_times(found)
     assert sum(after["scheduler engine"]) > sum(before["scheduler engine"])
     assert all(sum(after[part]) >= sum(before[part]) for part in before)
+
+
+def test_bench_sends_the_service_tier_it_is_given(shared_peer, peer_url):
+    shared_peer.state.tiers.clear()
+    run_bench(BenchOptions(base_url=peer_url, num_requests=2, service_tier="flex"))
+    run_bench(BenchOptions(base_url=peer_url, num_requests=1))
+    assert shared_peer.state.tiers == ["flex", "flex", None]

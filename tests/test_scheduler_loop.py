@@ -21,6 +21,21 @@ def submit(request_id: str, num_tokens: int) -> Submit:
         1000 + i % 700 for i in range(num_tokens)], sampling=Sampling(max_tokens=4))
 
 
+def run_scenario(config: Config, engine: Engine, model_files, client: StreamClient, scenario):
+    """`scenario(scheduler)` to its end, on a scheduler of `engine` in this process;
+    then the test's client and the scheduler's are closed."""
+    async def main():
+        scheduler = Scheduler(config, engine, Tokenizer(model_files.path), thread)
+        try:
+            return await scenario(scheduler)
+        finally:
+            await client.close()
+            await scheduler.client.close()
+
+    with ThreadPoolExecutor(1) as thread:
+        return asyncio.run(main())
+
+
 def test_a_request_arriving_during_a_step_joins_right_after_it(redis_url, prefix, model_files):
     """The step's first read has passed when the second request arrives; a
     read while the engine still runs takes it, so it is running when the step
@@ -32,13 +47,6 @@ def test_a_request_arriving_during_a_step_joins_right_after_it(redis_url, prefix
         url=redis_url, prefix=prefix, heartbeat_s=600.0, alive_ttl_s=1800.0))
     engine = Engine(model_files.path, SchedulerConfig())
     keys, client = Keys(prefix), StreamClient(redis_url)
-
-    async def scenario(scheduler: Scheduler) -> tuple[float, float, bool]:
-        try:
-            return await steps(scheduler)
-        finally:
-            await client.close()
-            await scheduler.client.close()
 
     async def steps(scheduler: Scheduler) -> tuple[float, float, bool]:
         await scheduler.join()
@@ -58,9 +66,7 @@ def test_a_request_arriving_during_a_step_joins_right_after_it(redis_url, prefix
         ended = loop.time()
         return arrived - started, ended - started, "late" in scheduler.running
 
-    with ThreadPoolExecutor(1) as thread:
-        scheduler = Scheduler(config, engine, Tokenizer(model_files.path), thread)
-        arrived_s, step_s, joined = asyncio.run(scenario(scheduler))
+    arrived_s, step_s, joined = run_scenario(config, engine, model_files, client, steps)
     # the check means something only if the step outlasted the arrival and a pull after it
     assert step_s > arrived_s + 2 * PULL_EVERY_S, (arrived_s, step_s)
     assert joined
@@ -75,6 +81,19 @@ def slow_schema(num_properties: int) -> str:
                                       for i in range(num_properties)}})
 
 
+def structured(request_id: str, schema: str) -> Submit:
+    sampling = Sampling(max_tokens=3, structure=Structure(kind="json_schema", schema=schema))
+    return msgspec.structs.replace(submit(request_id, 20), sampling=sampling)
+
+
+async def steps_while(scheduler: Scheduler, going) -> None:
+    for _ in range(3000):  # a hang fails here, not at the suite's timeout
+        if not going():
+            return
+        await scheduler.step()
+    raise AssertionError("the scheduler never got there")
+
+
 def test_a_grammar_compiles_beside_the_steps_and_within_its_limit(redis_url, prefix, model_files):
     """A structured request whose grammar takes a while to compile waits for it on its
     own thread: a plain request that came after it runs to its end meanwhile. Once
@@ -85,42 +104,22 @@ def test_a_grammar_compiles_beside_the_steps_and_within_its_limit(redis_url, pre
     keys, client = Keys(prefix), StreamClient(redis_url)
     engine.grammars.compiler()  # the tokenizer's load, out of the way
 
-    def structured(request_id: str, schema: str) -> Submit:
-        sampling = Sampling(max_tokens=3, structure=Structure(kind="json_schema", schema=schema))
-        return msgspec.structs.replace(submit(request_id, 20), sampling=sampling)
-
-    async def steps_while(scheduler: Scheduler, going) -> None:
-        for _ in range(3000):  # a hang fails here, not at the suite's timeout
-            if not going():
-                return
-            await scheduler.step()
-        raise AssertionError("the scheduler never got there")
-
     async def scenario(scheduler: Scheduler) -> tuple[bool, list, list]:
-        try:
-            await scheduler.join()
-            await client.add(keys.requests, structured("slow", slow_schema(50)))
-            await client.add(keys.requests, submit("plain", 20))
-            await steps_while(scheduler, lambda: "plain" in scheduler.running
-                              or not scheduler.running)
-            overtaken = "slow" in scheduler.compiling
-            await steps_while(scheduler, lambda: scheduler.running)
-            scheduler.compile_limit_s = 0.05
-            await client.add(keys.requests, structured("slower", slow_schema(60)))
-            await steps_while(scheduler, lambda: not scheduler.running)
-            await steps_while(scheduler, lambda: scheduler.running)
-            await scheduler.exchange(0)
-            entries = await client.redis.xrange(keys.tokens)
-            batches = [tokens_decoder.decode(fields[FIELD]) for _, fields in entries]
-            return (overtaken, [f for b in batches for f in b.failures],
-                    [o for b in batches for o in b.outputs])
-        finally:
-            await client.close()
-            await scheduler.client.close()
+        await scheduler.join()
+        await client.add(keys.requests, structured("slow", slow_schema(50)))
+        await client.add(keys.requests, submit("plain", 20))
+        await steps_while(scheduler, lambda: "plain" in scheduler.running
+                          or not scheduler.running)
+        overtaken = "slow" in scheduler.compiling
+        await steps_while(scheduler, lambda: scheduler.running)
+        scheduler.compile_limit_s = 0.05
+        await client.add(keys.requests, structured("slower", slow_schema(60)))
+        await steps_while(scheduler, lambda: not scheduler.running)
+        await steps_while(scheduler, lambda: scheduler.running)
+        await scheduler.exchange(0)
+        return overtaken, *await sent(keys, client)
 
-    with ThreadPoolExecutor(1) as thread:
-        scheduler = Scheduler(config, engine, Tokenizer(model_files.path), thread)
-        overtaken, failures, outputs = asyncio.run(scenario(scheduler))
+    overtaken, failures, outputs = run_scenario(config, engine, model_files, client, scenario)
     assert overtaken
     assert {(o.request_id, o.finish) for o in outputs if o.finish} == {
         ("plain", "length"), ("slow", "length")}
@@ -143,40 +142,21 @@ def test_a_slow_grammar_holds_back_no_other_request(redis_url, prefix, model_fil
     engine.grammars.compiler()  # the tokenizer's load, out of the way
     quick = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
 
-    def structured(request_id: str, schema: str) -> Submit:
-        sampling = Sampling(max_tokens=3, structure=Structure(kind="json_schema", schema=schema))
-        return msgspec.structs.replace(submit(request_id, 20), sampling=sampling)
-
-    async def steps_while(scheduler: Scheduler, going) -> None:
-        for _ in range(3000):
-            if not going():
-                return
-            await scheduler.step()
-        raise AssertionError("the scheduler never got there")
-
     async def scenario(scheduler: Scheduler) -> tuple[list, list, bool]:
-        try:
-            await scheduler.join()
-            for request_id, schema in (("slow", slow_schema(200)), ("quick", quick),
-                                       ("quick too", quick)):
-                await client.add(keys.requests, structured(request_id, schema))
-            await steps_while(scheduler, lambda: len(scheduler.running) < 3)
-            await steps_while(scheduler, lambda: scheduler.running)
-            await client.add(keys.requests, structured("slow again", slow_schema(200)))
-            await scheduler.step()
-            refused_at_once = not scheduler.running and not scheduler.compiling
-            await scheduler.exchange(0)
-            entries = await client.redis.xrange(keys.tokens)
-            batches = [tokens_decoder.decode(fields[FIELD]) for _, fields in entries]
-            return ([f for b in batches for f in b.failures],
-                    [o for b in batches for o in b.outputs], refused_at_once)
-        finally:
-            await client.close()
-            await scheduler.client.close()
+        await scheduler.join()
+        for request_id, schema in (("slow", slow_schema(200)), ("quick", quick),
+                                   ("quick too", quick)):
+            await client.add(keys.requests, structured(request_id, schema))
+        await steps_while(scheduler, lambda: len(scheduler.running) < 3)
+        await steps_while(scheduler, lambda: scheduler.running)
+        await client.add(keys.requests, structured("slow again", slow_schema(200)))
+        await scheduler.step()
+        refused_at_once = not scheduler.running and not scheduler.compiling
+        await scheduler.exchange(0)
+        return *await sent(keys, client), refused_at_once
 
-    with ThreadPoolExecutor(1) as thread:
-        scheduler = Scheduler(config, engine, Tokenizer(model_files.path), thread)
-        failures, outputs, refused_at_once = asyncio.run(scenario(scheduler))
+    failures, outputs, refused_at_once = run_scenario(config, engine, model_files, client,
+                                                      scenario)
     assert sorted(o.request_id for o in outputs if o.finish in ("length", "stop")) == [
         "quick", "quick too"]  # ("stop": its JSON whole within 3 tokens)
     assert sorted(f.request_id for f in failures) == ["slow", "slow again"]
@@ -197,27 +177,27 @@ def test_requests_run_by_service_tier_then_by_arrival(redis_url, prefix, model_f
                 ("flex 2", "flex"), ("priority 2", "priority"), ("default 2", "default")]
 
     async def scenario(scheduler: Scheduler) -> list[str]:
-        try:
-            await scheduler.join()
-            for request_id, tier in arrivals:
-                await client.add(keys.lane(tier), submit(request_id, 20))
-            for _ in range(3000):  # a hang fails here, not at the suite's timeout
-                await scheduler.step()
-                if len(order := await finished(keys, client)) == len(arrivals):
-                    return order
-            raise AssertionError("the scheduler never got there")
-        finally:
-            await client.close()
-            await scheduler.client.close()
+        await scheduler.join()
+        for request_id, tier in arrivals:
+            await client.add(keys.lane(tier), submit(request_id, 20))
+        for _ in range(3000):  # a hang fails here, not at the suite's timeout
+            await scheduler.step()
+            if len(order := await finished(keys, client)) == len(arrivals):
+                return order
+        raise AssertionError("the scheduler never got there")
 
-    with ThreadPoolExecutor(1) as thread:
-        scheduler = Scheduler(config, engine, Tokenizer(model_files.path), thread)
-        order = asyncio.run(scenario(scheduler))
+    order = run_scenario(config, engine, model_files, client, scenario)
     assert order == ["priority 1", "priority 2", "default 1", "default 2", "flex 1", "flex 2"]
+
+
+async def sent(keys: Keys, client: StreamClient) -> tuple[list, list]:
+    """What schedulers put on the tokens stream: its failures, its outputs."""
+    entries = await client.redis.xrange(keys.tokens)
+    batches = [tokens_decoder.decode(fields[FIELD]) for _, fields in entries]
+    return [f for b in batches for f in b.failures], [o for b in batches for o in b.outputs]
 
 
 async def finished(keys: Keys, client: StreamClient) -> list[str]:
     """The requests whose last tokens are on the tokens stream, in the order they ended."""
-    entries = await client.redis.xrange(keys.tokens)
-    batches = [tokens_decoder.decode(fields[FIELD]) for _, fields in entries]
-    return [o.request_id for b in batches for o in b.outputs if o.finish]
+    _, outputs = await sent(keys, client)
+    return [o.request_id for o in outputs if o.finish]

@@ -75,9 +75,9 @@ class Scheduler:
         self.draining = draining or asyncio.Event()  # set on SIGTERM (pipeline.roles)
         self.drain_deadline: float | None = None
         self.drained = False
-        self.compiling = Compiles(engine.grammars)  # structured requests, their grammar not
-        self.compile_limit_s = config.scheduler.grammar_timeout_s  # yet compiled: the steps
-        # go on meanwhile
+        # structured requests whose grammar is not compiled yet: the steps go on meanwhile
+        self.compiling = Compiles(engine.grammars)
+        self.compile_limit_s = config.scheduler.grammar_timeout_s
 
     async def join(self) -> None:
         await self.client.ensure_group(self.keys.tokens, DETOKENIZERS)

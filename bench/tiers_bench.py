@@ -1,0 +1,62 @@
+"""Service tiers under a saturating load: a default-tier load that keeps requests queued
+(more streams than the schedulers' slots) and, beside it, a few probe requests of each
+tier named; each group's time to first token. A priority request takes the next free
+slot; a default one waits behind the queue; a flex one waits until it is empty.
+Run beside a tier (`pipeline serve`, or workers by hand):
+    .venv/bin/python bench/tiers_bench.py --base-url http://127.0.0.1:8000"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+from pipeline.bench import BenchOptions, run_bench_async
+from pipeline.worker import run_loop
+
+
+async def measure(args: argparse.Namespace) -> dict:
+    def options(service_tier: str, num_requests: int, concurrency: int, seed: int):
+        return BenchOptions(base_url=args.base_url, num_requests=num_requests,
+                            concurrency=concurrency, max_tokens=args.max_tokens,
+                            ignore_eos=True, seed=seed, service_tier=service_tier)
+
+    load = asyncio.create_task(run_bench_async(options(
+        "default", args.load_requests, args.load_concurrency, 0)))
+    await asyncio.sleep(args.settle_s)  # the slots full, a queue behind them
+    probes = await asyncio.gather(*(run_bench_async(options(tier, args.probes, 1, 10 + i))
+                                    for i, tier in enumerate(args.tiers)))
+    loaded = await load
+    return {"load": _figures(loaded)} | {
+        tier: _figures(probe) for tier, probe in zip(args.tiers, probes, strict=True)}
+
+
+def _figures(summary: dict) -> dict:
+    return {"completed": summary["completed"], "failed": summary["failed"],
+            "ttft_p50_ms": summary["ttft_ms"]["p50"], "ttft_p90_ms": summary["ttft_ms"]["p90"],
+            "output_tok_s": round(summary["output_throughput"], 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--load-concurrency", type=int, default=96,
+                        help="default-tier streams at once (past the slots: a queue)")
+    parser.add_argument("--load-requests", type=int, default=288)
+    parser.add_argument("--probes", type=int, default=6, help="requests of each probe tier, "
+                        "one at a time")
+    parser.add_argument("--tiers", nargs="+", default=["priority", "default"])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--settle-s", type=float, default=5.0)
+    args = parser.parse_args()
+    figures = run_loop(measure(args))
+    print(json.dumps(figures, indent=2))
+    print("\n| requests | TTFT p50 ms | TTFT p90 ms | completed |\n|---|---:|---:|---:|")
+    for name, row in figures.items():
+        p50, p90 = (f"{row[key]:.0f}" if row[key] is not None else "-"
+                    for key in ("ttft_p50_ms", "ttft_p90_ms"))
+        print(f"| {name} | {p50} | {p90} | {row['completed']} |")
+
+
+if __name__ == "__main__":
+    main()
