@@ -83,7 +83,8 @@ def _sampling(body: GenerateRequest, num_prompt_tokens: int, s: Served) -> Sampl
     schema = body.sampling_params.json_schema
     try:
         structure = None if schema is None else Structure(
-            kind="json_schema", schema=json.dumps(_json_object(schema)))
+            kind="json_schema", schema=json.dumps(_json_object(schema)),
+            field="sampling_params.json_schema")
         return to_sampling(body.sampling_params, num_prompt_tokens=num_prompt_tokens,
                            limits=s.limits, num_logprobs=num_logprobs,
                            logprobs_param="top_logprobs_num", structure=structure,

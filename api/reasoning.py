@@ -63,8 +63,9 @@ def think_first(structure: Structure | None, start: str | None) -> Structure | N
     if start == "before":  # a model may answer without a thought
         thought = {"type": "optional", "content": thought}
     form = {"type": "sequence", "elements": [thought, answer]}
-    return Structure(kind="structural_tag",
-                     schema=json.dumps({"type": "structural_tag", "format": form}))
+    return Structure(kind="structural_tag",  # an error about it names the answer's field
+                     schema=json.dumps({"type": "structural_tag", "format": form}),
+                     field=structure.field)
 
 
 class ThoughtReader:

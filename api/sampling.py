@@ -81,7 +81,7 @@ def structure_of(response_format: dict | None) -> Structure | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return Structure(kind=kind)
+        return Structure(kind=kind, field="response_format")
     if kind != "json_schema":
         raise InvalidRequest("response_format.type must be text, json_object or json_schema",
                              param="response_format.type")
@@ -90,7 +90,7 @@ def structure_of(response_format: dict | None) -> Structure | None:
     if not isinstance(schema, dict):
         raise InvalidRequest("a json_schema response_format needs its schema as an object "
                              "under json_schema.schema", param="response_format.json_schema")
-    return Structure(kind=kind, schema=json.dumps(schema))
+    return Structure(kind=kind, schema=json.dumps(schema), field="response_format")
 
 
 def check_prompt(prompt_ids: list[int], limits: Limits, param: str) -> list[int]:

@@ -35,7 +35,8 @@ class ToolCalls:
 
     def structure(self) -> Structure:
         if self.name is not None:
-            return Structure(kind="json_schema", schema=dict(self.tools)[self.name])
+            return Structure(kind="json_schema", schema=dict(self.tools)[self.name],
+                             field="tools")
         tags = [{"type": "tag", "begin": self.form.begin(name),
                  "content": {"type": "json_schema", "json_schema": json.loads(parameters)},
                  "end": "}" + self.form.closing} for name, parameters in self.tools]
@@ -48,7 +49,8 @@ class ToolCalls:
             form = {"type": "triggered_tags", "triggers": [self.form.trigger], "tags": tags,
                     "stop_after_first": stop_after_first}
         return Structure(kind="structural_tag",
-                         schema=json.dumps({"type": "structural_tag", "format": form}))
+                         schema=json.dumps({"type": "structural_tag", "format": form}),
+                         field="tools")
 
     def reader(self) -> CallReader:
         return CallReader(self.form, self.name)

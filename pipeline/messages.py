@@ -16,6 +16,9 @@ class Structure(Struct, frozen=True, kw_only=True):
 
     kind: str  # "json_object" | "json_schema" | "structural_tag" (xgrammar's, as JSON)
     schema: str = ""
+    # the request field it comes from, which an error about it names ("": guessed from
+    # its kind, as before the field: a structural tag's is tools, the rest response_format)
+    field: str = ""
 
 
 class Sampling(Struct, frozen=True, kw_only=True, omit_defaults=True):

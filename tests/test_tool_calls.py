@@ -11,6 +11,8 @@ import pytest
 
 from api.chat_prompt import chat_prompt_ids
 from api.protocol import ChatMessage, ChatRequest
+from api.reasoning import think_first
+from api.sampling import structure_of
 from api.tool_reader import HERMES, LLAMA, CallReader
 from api.tools import ToolCalls, tool_calls
 from pipeline.errors import InvalidRequest
@@ -199,3 +201,19 @@ def test_a_template_that_knows_tool_calls_gets_them_as_transformers_passes_them(
 async def test_tool_history_of_the_wrong_shape_is_a_400(client, messages, param):
     response = await client.post(CHAT, json={"messages": messages, "tools": [WEATHER]})
     assert_openai_error(response, 400, "invalid_request", param)
+
+
+def test_a_schema_xgrammar_refuses_is_named_by_the_field_it_came_from(model_files):
+    """A named tool's parameters (held as a plain JSON schema) name tools; a
+    response_format held after a reasoning model's thought (a structural tag) names
+    response_format, as does a json_object."""
+    grammars = Grammars(model_files.path, 49152, [2])
+    bad = json.dumps({"type": "nope"})
+    named = ToolCalls((("paint", bad),), name="paint").structure()
+    answer = structure_of({"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}})
+    for structure, field in ((named, "tools"), (think_first(answer, "before"), "response_format"),
+                             (think_first(answer, "inside"), "response_format")):
+        with pytest.raises(InvalidRequest, match="Unsupported type") as refused:
+            grammars.compile(structure)
+        assert refused.value.param == field
+    assert structure_of({"type": "json_object"}).field == "response_format"

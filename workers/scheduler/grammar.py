@@ -100,12 +100,13 @@ class Grammars:
 
 def field_of(structure: Structure) -> str:
     """The request field a structure comes from, which an error about it names."""
-    return "tools" if structure.kind == "structural_tag" else "response_format"
+    return structure.field or ("tools" if structure.kind == "structural_tag"
+                               else "response_format")
 
 
 def _what(structure: Structure) -> str:
-    return "a tool's parameters" if structure.kind == "structural_tag" else \
-        "response_format's schema"
+    field = field_of(structure)
+    return "a tool's parameters" if field == "tools" else f"{field}'s schema"
 
 
 def constrain(logits: torch.Tensor, matchers: list) -> torch.Tensor:
