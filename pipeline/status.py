@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from pipeline.recovery import queue_depths
-from pipeline.streams import SCHEDULERS, WORKERS_KEPT_S, Keys, StreamClient
+from pipeline.streams import SCHEDULERS, TIERS, WORKERS_KEPT_S, Keys, StreamClient
 
 
 def live_workers(redis_url: str, prefix: str) -> list[dict]:
@@ -55,40 +55,45 @@ def records(values: list[bytes | None]) -> list[dict]:
     return found
 
 
-def queued_requests(redis_url: str, prefix: str) -> int:
-    """Requests no scheduler has admitted yet, every lane's, each exact up to
-    QUEUE_LIMIT (capped at QUEUE_LIMIT + 1): Redis 7 counts them, on Redis 6 they
-    are fetched."""
-    async def read() -> int:
+def queued_requests(redis_url: str, prefix: str) -> dict[str, int]:
+    """Requests no scheduler has admitted yet, by service tier (its lane), each exact
+    up to QUEUE_LIMIT (capped at QUEUE_LIMIT + 1): Redis 7 counts them, on Redis 6
+    they are fetched."""
+    async def read() -> list[int]:
         client = StreamClient(redis_url)
         try:
-            return sum(await queue_depths(client, Keys(prefix).lanes, SCHEDULERS, QUEUE_LIMIT,
-                                          exact=True))
+            return await queue_depths(client, Keys(prefix).lanes, SCHEDULERS, QUEUE_LIMIT,
+                                      exact=True)
         finally:
             await client.close()
 
-    return asyncio.run(read())
+    return dict(zip(TIERS, asyncio.run(read()), strict=True))
 
 
 def print_status(redis_url: str, prefix: str, as_json: bool = False) -> int:
     """The tier's live workers, a table a role; `as_json`: one JSON object for
-    scripts ({"prefix", "queued_requests", "workers": [every liveness record]})."""
+    scripts ({"prefix", "queued_requests", "queued_by_tier", "workers": [every
+    liveness record]})."""
     console = Console(width=None if sys.stdout.isatty() else 160)  # piped: rows whole
     try:
         workers = live_workers(redis_url, prefix)
-        queued = queued_requests(redis_url, prefix)
+        by_tier = queued_requests(redis_url, prefix)
     except redis.RedisError as error:
         console.print(f"[red]cannot reach Redis at {redis_url}: {error}[/red]")
         return 1
+    queued = sum(by_tier.values())
     if as_json:
-        print(json.dumps({"prefix": prefix, "queued_requests": queued, "workers": workers}))
+        print(json.dumps({"prefix": prefix, "queued_requests": queued,
+                          "queued_by_tier": by_tier, "workers": workers}))
         return 0
     by_role: dict[str, list[dict]] = {}
     for worker in sorted(workers, key=lambda w: str(w.get("id"))):
         by_role.setdefault(str(worker.get("role")), []).append(worker)
     counts = ", ".join(f"{len(by_role.get(r, []))} {r}" for r in ROLES)
     shown = f"over {QUEUE_LIMIT}" if queued > QUEUE_LIMIT else str(queued)
-    console.print(f"tier {prefix!r}: {counts} live; {shown} requests queued")
+    tiers = ", ".join(f"{count} {tier}" for tier, count in by_tier.items() if count)
+    console.print(f"tier {prefix!r}: {counts} live; {shown} requests queued"
+                  + (f" ({tiers})" if tiers else ""))
     for role in ROLES:
         if role not in by_role:
             console.print(f"[red]no live {role}: {MISSING[role]}[/red]")

@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import uuid
 
 import httpx
+import redis
 
 from pipeline.cli import build_config, child_env
 from pipeline.status import live_workers
+from pipeline.streams import SCHEDULERS, Keys
 
 
 def pipeline(*args: str) -> subprocess.CompletedProcess:
@@ -36,6 +39,7 @@ def test_status_shows_every_live_worker_by_role_and_the_queue(tier):
     found = json.loads(status("--redis-url", tier.redis_url, "--prefix", tier.prefix,
                               "--json").stdout)
     assert found["prefix"] == tier.prefix and found["queued_requests"] == 0
+    assert found["queued_by_tier"] == {"priority": 0, "default": 0, "flex": 0}
     assert {w["role"]: w["id"] for w in found["workers"]} == ids
     [scheduler] = [w for w in found["workers"] if w["role"] == "scheduler"]
     assert scheduler["num_blocks"] > 0 and "4bit_matmul" in scheduler
@@ -49,6 +53,21 @@ def test_status_says_which_roles_are_missing_and_when_redis_is_unreachable(tier)
         assert f"no live {role}" in empty.stdout
     down = status("--redis-url", "redis://127.0.0.1:1/0")
     assert down.returncode == 1 and "cannot reach Redis" in down.stdout
+
+
+def test_status_counts_each_service_tiers_queue(tier):
+    prefix = f"status-tiers-{uuid.uuid4().hex[:8]}"
+    client = redis.Redis.from_url(tier.redis_url)
+    lane = Keys(prefix).lane("flex")
+    try:
+        client.xgroup_create(lane, SCHEDULERS, id="0", mkstream=True)
+        for _ in range(2):
+            client.xadd(lane, {"m": b"queued"})
+        shown = status("--redis-url", tier.redis_url, "--prefix", prefix)
+        assert "2 requests queued (2 flex)" in shown.stdout, shown.stdout
+    finally:
+        client.delete(lane)
+        client.close()
 
 
 def test_serve_hands_its_api_options_to_the_workers_it_starts():
