@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from api.metrics import Metrics
+from pipeline import logs
 from pipeline.config import ApiConfig, RedisConfig
 from pipeline.errors import RETRY, Overloaded, PipelineError, RequestTimeout, error_from_code
 from pipeline.messages import (
@@ -133,7 +134,8 @@ class Frontend:
         deadline_ms = int((time.time() + timeout_s) * 1000)
         submit = Submit(request_id=request_id, reply_to=self.reply_to, prompt_ids=prompt_ids,
                         sampling=sampling, deadline_ms=deadline_ms,
-                        stream_interval=stream_interval, service_tier=service_tier)
+                        stream_interval=stream_interval, service_tier=service_tier,
+                        trace_id=logs.REQUEST_ID.get())
         state = RequestState(submit)
         self.states[request_id] = state
         loop = asyncio.get_running_loop()

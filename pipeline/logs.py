@@ -37,8 +37,10 @@ class JsonFormatter(logging.Formatter):
 
 
 def _tag_request(record: logging.LogRecord) -> bool:
-    """The handler's filter: the record's request id, for either format."""
-    record.request_id = REQUEST_ID.get()
+    """The handler's filter: the record's request id, for either format: the one it
+    was logged with (`extra={"request_id": ...}`: a scheduler's, for the request it
+    is about), else the HTTP request's it was logged for."""
+    record.request_id = getattr(record, "request_id", None) or REQUEST_ID.get()
     record.request = "" if record.request_id is None else f" [{record.request_id}]"
     return True
 

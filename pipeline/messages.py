@@ -68,6 +68,9 @@ class Submit(Struct, frozen=True, tag="submit", kw_only=True):
     # OpenAI's service tier (pipeline.streams.TIERS): which lane it is sent down, and
     # sent again down on a continuation
     service_tier: str = "default"
+    # the HTTP request's id (its x-request-id), which a scheduler's log records about
+    # this request carry, as the api's do
+    trace_id: str | None = None
 
 
 ToScheduler = Submit

@@ -18,7 +18,7 @@ from pipeline.config import ApiConfig, Config, RedisConfig
 from pipeline.config_io import config_from_json, config_to_json
 from pipeline.embedded_redis import EmbeddedRedis
 from pipeline.errors import ConfigError
-from pipeline.messages import FIELD, control_decoder
+from pipeline.messages import FIELD, control_decoder, requests_decoder
 from pipeline.streams import Keys
 from pipeline.tokenizer import Tokenizer
 
@@ -342,12 +342,14 @@ async def test_a_request_nobody_answers_is_a_408_by_its_deadline_and_is_cancelle
         redis_url, prefix, model_files, n, stream):
     """No scheduler here: the frontend's deadline (an event in the request's queue,
     both for one choice read in the response's task and for several merged) gives
-    the client a 408 in time, and the schedulers a Cancel for every choice."""
+    the client a 408 in time, and the schedulers a Cancel for every choice. Each
+    choice's Submit carries the client's x-request-id for the schedulers' logs."""
     async with serving(redis_url, prefix, model_files, request_timeout_s=0.3) as client:
         started = time.monotonic()
         async with asyncio.timeout(10):  # not forever, if the deadline is lost
             response = await client.post(COMPLETIONS, json={"prompt": "Hi", "n": n,
-                                                            "stream": stream})
+                                                            "stream": stream},
+                                         headers={"x-request-id": "trace-408"})
         seconds = time.monotonic() - started
         assert_openai_error(response, 408, "timeout")
         assert 0.3 <= seconds < 5.0
@@ -360,8 +362,11 @@ async def test_a_request_nobody_answers_is_a_408_by_its_deadline_and_is_cancelle
                 if len(cancelled) == n:
                     break
                 await asyncio.sleep(0.05)
+            submits = [requests_decoder.decode(fields[FIELD])
+                       for _, fields in await redis.xrange(Keys(prefix).requests)]
         finally:
             await redis.aclose()
+        assert [s.trace_id for s in submits] == ["trace-408"] * n
         assert len({c.rsplit("-", 1)[0] for c in cancelled}) == 1  # one request's choices
         assert sorted(c.rsplit("-", 1)[1] for c in cancelled) == [str(i) for i in range(n)]
 

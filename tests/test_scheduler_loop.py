@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -201,3 +202,28 @@ async def finished(keys: Keys, client: StreamClient) -> list[str]:
     """The requests whose last tokens are on the tokens stream, in the order they ended."""
     _, outputs = await sent(keys, client)
     return [o.request_id for o in outputs if o.finish]
+
+
+def test_a_refusal_is_logged_with_the_requests_own_id(redis_url, prefix, model_files, caplog):
+    """A scheduler's log record about a request it refuses carries the id its api
+    logged it under (Submit.trace_id: the client's x-request-id)."""
+    config = Config(model=str(model_files.path), redis=RedisConfig(
+        url=redis_url, prefix=prefix, heartbeat_s=600.0, alive_ttl_s=1800.0))
+    engine = Engine(model_files.path, SchedulerConfig())
+    keys, client = Keys(prefix), StreamClient(redis_url)
+    impossible = msgspec.structs.replace(submit("r1", 4), prompt_ids=[10**9],
+                                         trace_id="trace-7")
+
+    async def scenario(scheduler: Scheduler) -> list:
+        await scheduler.join()
+        await client.add(keys.requests, impossible)
+        await scheduler.step()
+        await scheduler.exchange(0)
+        failures, _ = await sent(keys, client)
+        return failures
+
+    with caplog.at_level(logging.INFO, logger="pipeline.scheduler"):
+        [failed] = run_scenario(config, engine, model_files, client, scenario)
+    assert failed.code == "invalid_request"
+    [record] = [r for r in caplog.records if "refused r1" in r.getMessage()]
+    assert record.request_id == "trace-7"

@@ -261,11 +261,15 @@ class Scheduler:
             return
         if submit.deaths + 1 >= MAX_DEATHS:
             reason = f"{MAX_DEATHS} schedulers died running this request; not retried"
+            log.warning("dead-lettered %s: %s", submit.request_id, reason,
+                        extra={"request_id": submit.trace_id})
             await self.client.dead_letter(lane, entry.entry_id, entry.raw, reason,
                                           self.keys.dead_letters)
             self.failures.append(Failed(submit.request_id, submit.reply_to, "internal", reason,
                                         submit.attempt))
             return
+        log.info("handed %s back to its api: its scheduler died", submit.request_id,
+                 extra={"request_id": submit.trace_id})
         self.failures.append(Failed(submit.request_id, submit.reply_to, RETRY,
                                     "its scheduler died", submit.attempt))
 
@@ -328,6 +332,8 @@ class Scheduler:
                              submit.sampling, rank=self.lanes.rank(run.entry[0]))
 
     def refuse(self, submit: Submit, entry: Ref, error: PipelineError) -> None:
+        log.info("refused %s: %s", submit.request_id, error.detail,
+                 extra={"request_id": submit.trace_id})
         self.failures.append(Failed(submit.request_id, submit.reply_to, error.code,
                                     error.detail, submit.attempt, param=error.param))
         self.to_ack.append(entry)
