@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -15,7 +14,7 @@ from dataclasses import asdict
 import msgspec
 
 from pipeline.config import Config
-from pipeline.errors import RETRY, InvalidRequest, PipelineError, RequestTimeout
+from pipeline.errors import RETRY, PipelineError, RequestTimeout
 from pipeline.messages import (
     Cancel,
     Failed,
@@ -38,6 +37,7 @@ from pipeline.recovery import (
 from pipeline.streams import DETOKENIZERS, SCHEDULERS, Keys, StreamClient, read_entries, xadd
 from pipeline.tokenizer import Tokenizer
 from pipeline.worker import new_worker_id
+from workers.scheduler.checks import check_submit
 from workers.scheduler.compiling import Compiles
 from workers.scheduler.engine import Engine, EngineRequest, StepResult
 from workers.scheduler.held import Running
@@ -49,7 +49,6 @@ MAX_DEATHS = 3  # a request whose scheduler dies this many times is poison (drai
 ADMITTED_TTL_S = 30  # retried XADDs arrive within seconds; the keys must not pile up
 PULL_EVERY_S = 0.01  # a step's reads of new requests, this far apart at least
 STEP_EMA = 0.2  # weight of the last step in the average step time
-MAX_ALTERNATIVES = 20  # logprobs' top tokens a request may ask for (the api's limit too)
 
 
 class Scheduler:
@@ -300,7 +299,7 @@ class Scheduler:
             if submit.deadline_ms is not None and submit.deadline_ms < time.time() * 1000:
                 self.num_expired += 1
                 raise RequestTimeout("the request expired before a scheduler could start it")
-            self.check(submit)
+            check_submit(submit, self.tokenizer.vocab_size)
             run = Running(submit, entry, list(submit.output_ids), len(submit.output_ids))
             if self.compiling.needed(submit.sampling.structure):
                 self.compiling.start(run)
@@ -337,23 +336,6 @@ class Scheduler:
         self.failures.append(Failed(submit.request_id, submit.reply_to, error.code,
                                     error.detail, submit.attempt, param=error.param))
         self.to_ack.append(entry)
-
-    def check(self, submit: Submit) -> None:
-        """Entries can be written by anyone with access to Redis: trust nothing."""
-        sampling = submit.sampling
-        ids = [*submit.prompt_ids, *submit.output_ids, *sampling.stop_token_ids,
-               *sampling.logit_bias]
-        if not submit.prompt_ids or not all(0 <= i < self.tokenizer.vocab_size for i in ids):
-            raise InvalidRequest(f"token ids must be in [0, {self.tokenizer.vocab_size})")
-        if not all(math.isfinite(bias) for bias in sampling.logit_bias.values()):
-            raise InvalidRequest("logit_bias values must be finite")
-        for count in (sampling.logprobs, sampling.prompt_logprobs):
-            if count is not None and not 0 <= count <= MAX_ALTERNATIVES:
-                raise InvalidRequest(f"logprobs alternatives must be in [0, {MAX_ALTERNATIVES}]")
-        if submit.sampling.max_tokens < 1:
-            raise InvalidRequest("max_tokens must be at least 1")
-        if submit.stream_interval < 0:
-            raise InvalidRequest("stream_interval must be 0 (when finished) or more")
 
     def output_for(self, result: StepResult) -> StepOutput | None:
         run = self.running.get(result.request_id)
