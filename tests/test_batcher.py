@@ -190,3 +190,22 @@ def test_a_more_urgent_tier_is_admitted_first_and_preempted_last():
     assert [c.seq.request_id for c in plan.chunks] == ["urgent"]
     assert [s.request_id for s in batcher.waiting] == ["flex"]
     assert batcher.num_preemptions == 1
+
+
+def test_a_more_urgent_arrival_short_of_blocks_preempts_a_less_urgent_running_one():
+    """Blocks run short: a waiting request of a more urgent tier takes them from the
+    least urgent running request (preempted, recomputed later); one of the same tier
+    as every less urgent running one waits its turn."""
+    batcher = make(num_blocks=6)
+    batcher.add(Sequence("flex", list(range(10)), 10, Sampling(), 0, 0, rank=2))
+    batcher.add(Sequence("default", list(range(100, 106)), 6, Sampling(), 0, 1, rank=1))
+    finish_step(batcher, batcher.schedule())  # 3 + 2 blocks of 6, room left in each
+    batcher.add(Sequence("late flex", list(range(200, 208)), 8, Sampling(), 0, 2, rank=2))
+    finish_step(batcher, batcher.schedule())
+    assert [s.request_id for s in batcher.waiting] == ["late flex"]  # 2 blocks: 1 free
+    assert batcher.num_preemptions == 0
+    batcher.add(Sequence("urgent", list(range(300, 308)), 8, Sampling(), 0, 3, rank=0))
+    plan = batcher.schedule()
+    assert "urgent" in [c.seq.request_id for c in plan.chunks]
+    assert [s.request_id for s in batcher.waiting] == ["flex", "late flex"]
+    assert batcher.num_preemptions == 1

@@ -71,6 +71,7 @@ class Batcher:
     def schedule(self) -> StepPlan:
         plan = StepPlan(block_size=self.allocator.block_size)
         budget = self.max_batch_tokens
+        self._yield_to_urgent()
         for seq in self._grow_decoding(budget):
             plan.chunks.append(Chunk(seq, seq.num_computed, 1))
             budget -= 1
@@ -93,6 +94,24 @@ class Batcher:
             budget -= plan.chunks[-1].num_tokens
         self.waiting.extendleft(reversed(awaiting))
         return plan
+
+    def _yield_to_urgent(self) -> None:
+        """Where the head of the queue is of a more urgent tier than some running
+        sequences and its blocks (or a slot) are short, the least urgent of those make
+        way: preempted, to be recomputed later. Within a tier nobody is preempted for
+        an arrival."""
+        if not self.waiting:
+            return
+        head = self.waiting[0]
+        if not any(seq.rank > head.rank for seq in self.running):
+            return
+        found = [] if head.collects_prompt else self.allocator.cached_prefix(head.token_ids)
+        while (len(self.running) >= self.max_running_requests
+               or not self.allocator.can_allocate(head.token_ids, found)):
+            victims = [seq for seq in self.running if seq.rank > head.rank]
+            if not victims:
+                return
+            self._preempt(max(victims, key=lambda s: s.order))
 
     def finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED
