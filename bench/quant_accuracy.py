@@ -5,8 +5,11 @@ matches bf16 when every row takes it) and what we measured and did not ship
 (int8 weights and dynamic per-token int8 activations, as torch._int_mm would
 run them), and the shipped int8 activations per group of 32 (qgemm_vnni.c, where
 the CPU has VNNI), with qkv's activations at 14 bits (shipped for steps of up
-to linear.FINE_ROWS rows), int8 (shipped beyond) or exact.
-Run: .venv/bin/python bench/quant_accuracy.py"""
+to linear.FINE_ROWS rows), int8 (shipped beyond) or exact. Simulated in fp32
+beside them: int8 activations per group of 32 with each group's own scale (the
+shipped numerics) and with scales that are the row's divided by a power of two
+(round AL's lead: 2 FMAs a row and group in place of 3).
+Run: .venv/bin/python bench/quant_accuracy.py ["fp32, int8 act. per group" ...]"""
 
 from __future__ import annotations
 
@@ -32,6 +35,30 @@ def int8_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
     """Round to 255 levels per slice along `dim` (symmetric), back to float."""
     scale = t.abs().amax(dim, keepdim=True).clamp(min=1e-8) / 127
     return torch.round(t / scale) * scale
+
+
+def int8_groups(x: torch.Tensor, pow2: bool, max_shift: int = 6) -> torch.Tensor:
+    """Round each group of 32 along the last dim to 255 levels, back to float: its
+    own scale (max |x| / 127), or (`pow2`) the row's largest group's scale divided by
+    the power of two (at most 2^max_shift) that keeps the group within 127 levels."""
+    groups = x.reshape(*x.shape[:-1], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True).clamp(min=1e-8)
+    scale = amax / 127
+    if pow2:
+        row = amax.amax(-2, keepdim=True)
+        shift = torch.floor(torch.log2(row / amax)).clamp(0, max_shift)
+        scale = row / 127 / 2 ** shift
+    return (torch.round(groups / scale).clamp(-127, 127) * scale).reshape(x.shape)
+
+
+class Grouped:
+    """A projection whose activations are int8_groups-rounded, computed in fp32."""
+
+    def __init__(self, dense: Dense, pow2: bool):
+        self.weight_t, self.pow2 = dense.weight_t, pow2
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_groups(x, self.pow2) @ self.weight_t
 
 
 CALIBRATION = ["Tell me a story about a dragon who learns to cook.",
@@ -97,7 +124,12 @@ def main() -> None:
         "fp32, int8 activations": lambda: simulated(path, spec, weights=False, activations=True),
         "fp32, W8A8": lambda: simulated(path, spec, weights=True, activations=True),
         "fp32, W8A8 SmoothQuant alpha 0.5": lambda: smoothquant(path, spec, tokenizer, 0.5),
+        "fp32, int8 act. per group of 32": lambda: grouped(path, spec, pow2=False),
+        "fp32, int8 act. per group, power-of-2 scales": lambda: grouped(path, spec, pow2=True),
     }
+    if len(sys.argv) > 1:  # names' starts: only those (the reference is always made)
+        variants = {name: build for name, build in variants.items()
+                    if any(name.startswith(prefix) for prefix in sys.argv[1:])}
     print(f"{'variant':<50} {'mean KL':>8} {'top-1 agree':>12}")
     with torch.inference_mode():
         for name, build in variants.items():
@@ -147,6 +179,14 @@ def simulated(path: Path, spec, weights: bool, activations: bool) -> LlamaModel:
     for layer in model.layers:
         for name in PROJECTIONS:
             setattr(layer, name, Simulated(getattr(layer, name), weights, activations))
+    return model
+
+
+def grouped(path: Path, spec, pow2: bool) -> LlamaModel:
+    model = LlamaModel.load(path, spec, torch.device("cpu"), torch.float32)
+    for layer in model.layers:
+        for name in PROJECTIONS:
+            setattr(layer, name, Grouped(getattr(layer, name), pow2))
     return model
 
 
