@@ -37,8 +37,13 @@ class Job:
     def runs(self) -> list[Run]:
         return [(self.prompt_of(i), sampling) for i, sampling in enumerate(self.samplings)]
 
+    @property
+    def per_prompt(self) -> int:
+        """Choices a prompt has (the request's n)."""
+        return len(self.samplings) // len(self.prompts)
+
     def prompt_of(self, index: int) -> list[int]:
-        return self.prompts[index // (len(self.samplings) // len(self.prompts))]
+        return self.prompts[index // self.per_prompt]
 
     @property
     def wants_logprobs(self) -> bool:
@@ -57,7 +62,7 @@ class Job:
         # each prompt counted once, however many choices share it; of its tokens, those
         # its choices all found in a scheduler's prefix cache
         prompt_tokens = sum(len(prompt_ids) for prompt_ids in self.prompts)
-        n = len(self.samplings) // len(self.prompts)
+        n = self.per_prompt
         cached = sum(min(choice.cached_tokens or 0 for choice in choices[i:i + n])
                      for i in range(0, len(choices), n))
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from pipeline.streams import SCHEDULERS, TIERS, Keys, StreamClient, pull_in_order, read_entries
+from pipeline.streams import SCHEDULERS, Keys, StreamClient, pull_in_order, read_entries
 
 Ref = tuple[str, str]  # (lane, entry id)
 Pulled = tuple[Ref, bytes]  # an entry read, with its message bytes
@@ -17,9 +17,6 @@ class Lanes:
     def rank(self, lane: str) -> int:
         """0 for the most urgent tier's lane (TIERS' order)."""
         return self.streams.index(lane)
-
-    def tier(self, lane: str) -> str:
-        return TIERS[self.rank(lane)]
 
     async def join(self, client: StreamClient) -> None:
         for lane in self.streams:
