@@ -115,7 +115,7 @@ class Frontend:
     async def generate(
         self, prompt_ids: list[int], sampling: Sampling, request_id: str | None = None,
         timeout_s: float | None = None, stream_interval: int = 1,
-        service_tier: str = "default",
+        service_tier: str = "default", counted: bool = True,
     ) -> AsyncIterator[Delta]:
         """Submit one request and yield its deltas, as `stream_interval` gathers them
         (Submit's field: the first token, then N at a time; 0: one delta when it
@@ -125,7 +125,8 @@ class Frontend:
         cancellation, so a caller may iterate this in its own task, suspended
         anywhere between deltas (a streaming response writing to its client).
         `service_tier` (TIERS) picks its lane: it waits behind that lane's requests and
-        the more urgent lanes' only, which alone count toward max_queued_requests."""
+        the more urgent lanes' only, which alone count toward max_queued_requests.
+        `counted` False keeps a probe out of the metrics."""
         ahead = sum(self.queue_depths[:TIERS.index(service_tier) + 1])
         if ahead >= self.config.max_queued_requests:
             raise Overloaded(f"{ahead} requests are waiting for a scheduler; retry shortly")
@@ -140,7 +141,8 @@ class Frontend:
         self.states[request_id] = state
         loop = asyncio.get_running_loop()
         expiry = loop.call_later(timeout_s, state.events.put_nowait, EXPIRED)
-        generation = self.metrics.generation(len(prompt_ids), stream_interval != 0, service_tier)
+        generation = self.metrics.generation(len(prompt_ids), stream_interval != 0, service_tier,
+                                             counted)
         outcome = "cancelled"  # unless it ends otherwise: the caller stopped reading
         try:
             async with asyncio.timeout_at(loop.time() + timeout_s):  # Redis down: no end

@@ -15,8 +15,9 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.process_collector import ProcessCollector
 
 # a route outside these is counted as "other": a scan of random paths adds no series
-ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/generate",
-                    "/tokenize", "/detokenize", "/health", "/metrics"})
+ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models",
+                    "/generate", "/tokenize", "/detokenize", "/health", "/health_generate",
+                    "/metrics"})
 MODEL = "/v1/models/{model}"  # one label for every id asked for
 SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TOKEN_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0)
@@ -86,7 +87,10 @@ class Metrics:
         self.http_seconds.labels(route).observe(seconds)
 
     def generation(self, num_prompt_tokens: int, is_streamed: bool,
-                   service_tier: str = "default") -> Generation:
+                   service_tier: str = "default", counted: bool = True) -> Generation:
+        """`counted` False: a probe's (/health_generate), kept out of every figure."""
+        if not counted:
+            return UNCOUNTED
         self.prompt_tokens.inc(num_prompt_tokens)
         return Generation(self, is_streamed, service_tier)
 
@@ -124,6 +128,20 @@ class Generation:
         if self.is_streamed and self.first is not None and self.num_tokens > 1:
             self.metrics.tpot.labels(self.service_tier).observe(
                 (now - self.first) / (self.num_tokens - 1))
+
+
+class _Uncounted(Generation):
+    def __init__(self):
+        pass
+
+    def delta(self, num_tokens: int) -> None:
+        pass
+
+    def end(self, outcome: str) -> None:
+        pass
+
+
+UNCOUNTED = _Uncounted()
 
 
 def tier_families(workers: list[dict] | None, queued: dict[str, int]) -> list[Metric]:

@@ -1,10 +1,12 @@
-# The native routes: GET /health (is Redis reachable), GET /metrics and SGLang-style POST /generate.
+# The native routes: GET /health (is Redis reachable), GET /health_generate (does the tier
+# make a token), GET /metrics and SGLang-style POST /generate.
 # /generate streams cumulative text and ids in every event, as SGLang does by default.
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -28,6 +30,7 @@ from pipeline.tokenizer import Tokenizer
 router = APIRouter()
 ServedDep = Annotated[Served, Depends(served)]
 HEALTH_TIMEOUT_S = 2.0
+HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's; the api's --request-timeout where shorter
 
 
 @router.get("/health")
@@ -40,6 +43,28 @@ async def health(s: ServedDep):
         return JSONResponse({"status": "unavailable", "detail": detail}, status_code=503)
     return {"status": "ok", "model": s.model_name, "frontend_id": s.frontend.frontend_id,
             "in_flight": len(s.frontend.states)}
+
+
+@router.get("/health_generate")
+async def health_generate(s: ServedDep):
+    """One token made by the whole tier (SGLang's probe): a scheduler took the request
+    and a detokenizer sent its token back. A one-token prompt in the `priority` lane, so
+    it waits behind no default queue (a full scheduler makes way for it); kept out of
+    the generation metrics. 503 with what went wrong when no token came in time."""
+    timeout_s = min(HEALTH_GENERATE_TIMEOUT_S, s.config.request_timeout_s)
+    started = time.perf_counter()
+    try:
+        deltas = s.frontend.generate(s.tokenizer.encode("ping")[:1], Sampling(max_tokens=1),
+                                     timeout_s=timeout_s, stream_interval=0,
+                                     service_tier="priority", counted=False)
+        async with aclosing(deltas):
+            async for _delta in deltas:
+                pass
+    except PipelineError as error:
+        return JSONResponse({"status": "unavailable", "detail": f"{error.code}: {error.detail}"},
+                            status_code=503)
+    return {"status": "ok", "model": s.model_name, "frontend_id": s.frontend.frontend_id,
+            "seconds": round(time.perf_counter() - started, 3)}
 
 
 @router.get("/metrics")

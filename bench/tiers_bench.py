@@ -2,8 +2,9 @@
 tier serves them (Poisson arrivals, so that slots free steadily, not in waves), a queue
 that grows behind them, and, beside it, a few probe requests of each
 tier named, sent together once the queue has formed; each group's time to first token.
-A priority request takes the next free slot; a default one waits behind the queue; a
-flex one waits until the queue is empty (here, until the load ends).
+A priority request starts at once (a running default one makes way); a default one
+waits behind the queue; a flex one waits until the queue is empty (here, until the
+load ends).
 Run beside a tier (`pipeline serve`, or workers by hand):
     .venv/bin/python bench/tiers_bench.py --base-url http://127.0.0.1:8000"""
 

@@ -120,29 +120,34 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-# Up to ARGV[3] new entries of group ARGV[1] for consumer ARGV[2] from the streams in
-# KEYS, each drained before the next is read: an XREADGROUP of them all would take up to
-# the count from every one. Its reply has XREADGROUP's shape, [[stream, entries], ...].
+# New entries of group ARGV[1] for consumer ARGV[2] from the streams in KEYS, each
+# drained before the next is read, up to ARGV[2 + i] entries from the first i streams
+# together: an XREADGROUP of them all would take up to its count from every one. Its
+# reply has XREADGROUP's shape, [[stream, entries], ...].
 _PULL_IN_ORDER = """
-local left, out = tonumber(ARGV[3]), {}
-for _, key in ipairs(KEYS) do
-    if left <= 0 then break end
-    local read = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', left,
-                            'STREAMS', key, '>')
-    if read then
-        out[#out + 1] = read[1]
-        left = left - #read[1][2]
+local taken, out = 0, {}
+for i, key in ipairs(KEYS) do
+    local left = tonumber(ARGV[2 + i]) - taken
+    if left > 0 then
+        local read = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', left,
+                                'STREAMS', key, '>')
+        if read then
+            out[#out + 1] = read[1]
+            taken = taken + #read[1][2]
+        end
     end
 end
 return out
 """
 
 
-def pull_in_order(streams: Sequence[str], group: str, consumer: str, count: int) -> tuple:
-    """The command (for StreamClient.transaction) that reads up to `count` new entries
-    of `streams` for `consumer`, the first stream's before the second's, and so on;
-    read_entries parses its reply."""
-    return ("EVAL", _PULL_IN_ORDER, len(streams), *streams, group, consumer, count)
+def pull_in_order(streams: Sequence[str], group: str, consumer: str,
+                  counts: Sequence[int]) -> tuple:
+    """The command (for StreamClient.transaction) that reads new entries of `streams`
+    for `consumer`, the first stream's before the second's, and so on: up to
+    `counts[i]` from streams 0..i together (a stream whose count the earlier ones
+    used up is not read). read_entries parses its reply."""
+    return ("EVAL", _PULL_IN_ORDER, len(streams), *streams, group, consumer, *counts)
 
 
 def xadd(stream: str, message, *, maxlen: int | None = None, nomkstream: bool = False) -> tuple:

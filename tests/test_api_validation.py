@@ -336,6 +336,16 @@ async def test_health_is_503_when_redis_goes_away(prefix, model_files):
         redis_server.stop()
 
 
+async def test_health_generate_is_503_when_no_scheduler_answers(redis_url, prefix, model_files):
+    """No scheduler here: the probe's token never comes, so by the api's request
+    timeout (shorter than the probe's own 20 s) it is a 503 saying so."""
+    async with serving(redis_url, prefix, model_files, request_timeout_s=0.5) as client:
+        response = await client.get("/health_generate")
+    assert response.status_code == 503
+    assert response.json()["status"] == "unavailable"
+    assert "timeout" in response.json()["detail"]
+
+
 @pytest.mark.parametrize("n", [1, 2], ids=["one-choice", "two-choices"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 async def test_a_request_nobody_answers_is_a_408_by_its_deadline_and_is_cancelled(

@@ -209,3 +209,40 @@ def test_a_more_urgent_arrival_short_of_blocks_preempts_a_less_urgent_running_on
     assert "urgent" in [c.seq.request_id for c in plan.chunks]
     assert [s.request_id for s in batcher.waiting] == ["flex", "late flex"]
     assert batcher.num_preemptions == 1
+
+
+def test_more_urgent_arrivals_take_the_slots_of_less_urgent_running_ones():
+    """Every slot is taken by a default request: two priority arrivals each take one
+    in the same step, from the newest defaults; a flex arrival takes none."""
+    batcher = make(max_running=3)
+    for i in range(3):
+        batcher.add(Sequence(f"default {i}", list(range(10 * i, 10 * i + 4)), 4, Sampling(), 0,
+                             i, rank=1))
+    finish_step(batcher, batcher.schedule())
+    batcher.add(Sequence("flex", list(range(100, 104)), 4, Sampling(), 0, 3, rank=2))
+    finish_step(batcher, batcher.schedule())
+    assert batcher.num_preemptions == 0
+    for i in range(2):
+        batcher.add(Sequence(f"priority {i}", list(range(200 + 10 * i, 204 + 10 * i)), 4,
+                             Sampling(), 0, 4 + i, rank=0))
+    plan = batcher.schedule()
+    assert sorted(c.seq.request_id for c in plan.chunks) == ["default 0", "priority 0",
+                                                             "priority 1"]
+    assert [s.request_id for s in batcher.waiting] == ["default 1", "default 2", "flex"]
+    assert batcher.num_preemptions == 2
+
+
+def test_room_by_tier_counts_what_less_urgent_requests_hold():
+    """A tier's room is the free slots and blocks less what waits in it and the more
+    urgent tiers, plus what the less urgent tiers hold: with the least urgent tier's
+    room, the plain count of free slots and blocks."""
+    batcher = make(num_blocks=8, max_running=4)
+    assert batcher.room(3) == [4, 4, 4]
+    batcher.add(Sequence("default", list(range(20)), 20, Sampling(), 0, 0, rank=1))
+    finish_step(batcher, batcher.schedule())  # running: 5 blocks of 4 tokens held, 3 free
+    # priority: 4 slots and 3 + 5 blocks (without default's, 3)
+    assert batcher.room(3) == [4, 3, 3]
+    batcher.add(Sequence("flex", list(range(100, 108)), 8, Sampling(), 0, 1, rank=2))
+    assert batcher.room(3) == [4, 3, 1]  # flex waits for 2 of the 3 free blocks
+    batcher.add(Sequence("big", list(range(200, 212)), 12, Sampling(), 0, 2, rank=1))
+    assert batcher.room(3) == [4, 0, 0]  # big waits for all 3

@@ -379,11 +379,13 @@ def test_greedy_picks_in_the_lm_heads_kernel_equal_the_samplers(model_files, pro
     assert run_all(engine, greedy_requests(prompts, with_logprobs)) == plain
 
 
-def test_can_admit_is_zero_when_slots_are_taken(model_files, prompt_ids):
+def test_can_admit_counts_slots_by_tier(model_files, prompt_ids):
+    """Room by tier (priority, default, flex): default requests take the slots of
+    their own tier and flex's, not priority's (priority preempts them)."""
     engine = make_engine(model_files, max_running_requests=2)
-    assert engine.can_admit() == 2
+    assert engine.can_admit() == [2, 2, 2]
     for i in range(2):
         engine.add(EngineRequest(f"x{i}", prompt_ids[0], [], GREEDY))
-    assert engine.can_admit() == 0
+    assert engine.can_admit() == [2, 0, 0]
     engine.abort("x0")
-    assert engine.can_admit() == 1
+    assert engine.can_admit() == [2, 1, 1]

@@ -43,6 +43,9 @@ def test_a_tiers_requests_tokens_and_latencies_are_counted(tier):
         assert whole.status_code == 200
         assert client.post("/v1/completions", json=body | {"max_tokens": 0}).status_code == 400
         assert client.get("/no/such/route").status_code == 404
+        assert client.post("/v1/responses", json={}).status_code == 400
+        probe = client.get("/health_generate")  # a probe: no generation counted
+        assert probe.status_code == 200 and probe.json()["status"] == "ok", probe.text
         for model in ("a", "b/c"):  # every id asked for counts under one route label
             assert client.get(f"/v1/models/{model}").status_code == 404
     after, _ = scrape(tier.base_url)
@@ -54,6 +57,8 @@ def test_a_tiers_requests_tokens_and_latencies_are_counted(tier):
     assert grew("pipeline_http_requests_total", route=route, code="200") == 2
     assert grew("pipeline_http_requests_total", route=route, code="400") == 1
     assert grew("pipeline_http_requests_total", route="other", code="404") == 1
+    assert grew("pipeline_http_requests_total", route="/v1/responses", code="400") == 1
+    assert grew("pipeline_http_requests_total", route="/health_generate", code="200") == 1
     assert grew("pipeline_http_requests_total", route="/v1/models/{model}", code="404") == 2
     assert grew("pipeline_http_request_duration_seconds_count", route=route) == 3
     assert grew("pipeline_generations_total", outcome="length") == 2

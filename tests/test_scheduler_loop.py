@@ -117,7 +117,7 @@ def test_a_grammar_compiles_beside_the_steps_and_within_its_limit(redis_url, pre
         await client.add(keys.requests, structured("slower", slow_schema(60)))
         await steps_while(scheduler, lambda: not scheduler.running)
         await steps_while(scheduler, lambda: scheduler.running)
-        await scheduler.exchange(0)
+        await scheduler.exchange()
         return overtaken, *await sent(keys, client)
 
     overtaken, failures, outputs = run_scenario(config, engine, model_files, client, scenario)
@@ -153,7 +153,7 @@ def test_a_slow_grammar_holds_back_no_other_request(redis_url, prefix, model_fil
         await client.add(keys.requests, structured("slow again", slow_schema(200)))
         await scheduler.step()
         refused_at_once = not scheduler.running and not scheduler.compiling
-        await scheduler.exchange(0)
+        await scheduler.exchange()
         return *await sent(keys, client), refused_at_once
 
     failures, outputs, refused_at_once = run_scenario(config, engine, model_files, client,
@@ -218,7 +218,7 @@ def test_a_refusal_is_logged_with_the_requests_own_id(redis_url, prefix, model_f
         await scheduler.join()
         await client.add(keys.requests, impossible)
         await scheduler.step()
-        await scheduler.exchange(0)
+        await scheduler.exchange()
         failures, _ = await sent(keys, client)
         return failures
 
@@ -227,3 +227,37 @@ def test_a_refusal_is_logged_with_the_requests_own_id(redis_url, prefix, model_f
     assert failed.code == "invalid_request"
     [record] = [r for r in caplog.records if "refused r1" in r.getMessage()]
     assert record.request_id == "trace-7"
+
+
+def test_a_priority_request_takes_a_running_default_ones_slot(redis_url, prefix, model_files):
+    """Every slot is taken by a default request: a priority one is still pulled, runs
+    at once in its place and finishes first; the default one is preempted and then
+    finishes whole. A flex request finds no room and waits its turn."""
+    config = Config(model=str(model_files.path), redis=RedisConfig(
+        url=redis_url, prefix=prefix, heartbeat_s=600.0, alive_ttl_s=1800.0))
+    engine = Engine(model_files.path, SchedulerConfig(max_running_requests=1))
+    keys, client = Keys(prefix), StreamClient(redis_url)
+    long = msgspec.structs.replace(submit("default", 20), sampling=Sampling(max_tokens=40))
+
+    async def scenario(scheduler: Scheduler) -> tuple[list, list]:
+        await scheduler.join()
+        await client.add(keys.lane("default"), long)
+        await steps_while(scheduler, lambda: len(engine.batcher.running) == 0)
+        await scheduler.step()  # its first decodes
+        await client.add(keys.lane("flex"), submit("flex", 20))
+        await client.add(keys.lane("priority"), submit("priority", 20))
+        await scheduler.step()
+        await scheduler.step()
+        ran = [seq.request_id for seq in engine.batcher.running]
+        for _ in range(3000):  # a hang fails here, not at the suite's timeout
+            await scheduler.step()
+            if len(await finished(keys, client)) == 3:
+                return ran, (await sent(keys, client))[1]
+        raise AssertionError("the scheduler never got there")
+
+    ran, outputs = run_scenario(config, engine, model_files, client, scenario)
+    assert ran == ["priority"]
+    assert [o.request_id for o in outputs if o.finish] == ["priority", "default", "flex"]
+    default = [i for o in outputs if o.request_id == "default" for i in o.new_ids]
+    assert len(default) == 40
+    assert engine.batcher.num_preemptions == 1

@@ -95,23 +95,46 @@ class Batcher:
         self.waiting.extendleft(reversed(awaiting))
         return plan
 
+    def room(self, num_ranks: int) -> list[int]:
+        """How many more requests of each tier (rank 0, the most urgent, first) this
+        batcher can take: its free slots and blocks, less those the waiting requests
+        will need. A more urgent tier also counts the slots and blocks that less urgent
+        requests hold, as it takes them (`_yield_to_urgent`). Blocks by the request,
+        one at least each; a running request's as its table holds them."""
+        slots = [self.max_running_requests] * num_ranks
+        blocks = [self.allocator.num_free_blocks] * num_ranks
+        for seq in self.waiting:
+            needed = self.allocator.blocks_needed(seq.num_tokens)
+            for rank in range(seq.rank, num_ranks):
+                slots[rank] -= 1
+                blocks[rank] -= needed
+        for seq in self.running:
+            held = len(self.allocator.block_table(seq.request_id))
+            for rank in range(num_ranks):
+                if rank >= seq.rank:
+                    slots[rank] -= 1
+                else:
+                    blocks[rank] += held
+        return [max(0, min(s, b)) for s, b in zip(slots, blocks, strict=True)]
+
     def _yield_to_urgent(self) -> None:
-        """Where the head of the queue is of a more urgent tier than some running
-        sequences and its blocks (or a slot) are short, the least urgent of those make
-        way: preempted, to be recomputed later. Within a tier nobody is preempted for
-        an arrival."""
-        if not self.waiting:
-            return
-        head = self.waiting[0]
-        if not any(seq.rank > head.rank for seq in self.running):
-            return
-        found = [] if head.collects_prompt else self.allocator.cached_prefix(head.token_ids)
-        while (len(self.running) >= self.max_running_requests
-               or not self.allocator.can_allocate(head.token_ids, found)):
-            victims = [seq for seq in self.running if seq.rank > head.rank]
-            if not victims:
+        """Waiting sequences of a more urgent tier than some running ones, the most
+        urgent first: where a slot or its blocks are short, the least urgent running
+        sequences make way (preempted, to be recomputed later) until it fits. Within
+        a tier nobody is preempted for an arrival. The blocks are checked for each
+        sequence alone, the slots for them all."""
+        reserved = 0  # slots made for earlier ones, taken by them this step or the next
+        for seq in list(self.waiting):
+            if not any(running.rank > seq.rank for running in self.running):
                 return
-            self._preempt(max(victims, key=lambda s: s.order))
+            found = [] if seq.collects_prompt else self.allocator.cached_prefix(seq.token_ids)
+            while (len(self.running) + reserved >= self.max_running_requests
+                   or not self.allocator.can_allocate(seq.token_ids, found)):
+                victims = [running for running in self.running if running.rank > seq.rank]
+                if not victims:
+                    return
+                self._preempt(max(victims, key=lambda s: s.order))
+            reserved += 1
 
     def finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED

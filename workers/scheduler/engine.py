@@ -15,6 +15,7 @@ import torch
 from pipeline.config import SchedulerConfig, sized
 from pipeline.errors import ConfigError, ContextLengthExceeded, InvalidRequest
 from pipeline.messages import Sampling, TokenLogprob
+from pipeline.streams import TIERS
 from workers.scheduler.attention import (
     bytes_per_block,
     choose_backend,
@@ -183,11 +184,10 @@ class Engine:
                               f"failed ({error}); --cuda-graph-max-batch 0 runs every step "
                               "eagerly") from error
 
-    def can_admit(self) -> int:
-        batcher = self.batcher
-        room = self.config.max_running_requests - len(batcher.running) - len(batcher.waiting)
-        waiting_blocks = sum(self.allocator.blocks_needed(s.num_tokens) for s in batcher.waiting)
-        return max(0, min(room, self.allocator.num_free_blocks - waiting_blocks))
+    def can_admit(self) -> list[int]:
+        """How many more requests of each service tier (TIERS' order) to take in
+        (Batcher.room)."""
+        return self.batcher.room(len(TIERS))
 
     def add(self, request: EngineRequest) -> None:
         sampling = request.sampling

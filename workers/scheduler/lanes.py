@@ -23,9 +23,17 @@ class Lanes:
             await client.ensure_group(lane, SCHEDULERS)
             await client.redis.xgroup_createconsumer(lane, SCHEDULERS, self.worker_id)
 
-    def pull(self, count: int) -> tuple:
-        """The command reading up to `count` new entries, lane by lane in order."""
-        return pull_in_order(self.streams, SCHEDULERS, self.worker_id, count)
+    def pull(self, room: list[int]) -> tuple:
+        """The command reading new entries, lane by lane in order: up to `room[i]`
+        from lanes 0..i together (Engine.can_admit)."""
+        return pull_in_order(self.streams, SCHEDULERS, self.worker_id, room)
+
+    def left(self, room: list[int], pulled: list[Pulled]) -> list[int]:
+        """`room` once `pulled` are taken: each takes a place in its own lane's room
+        and every less urgent one's."""
+        ranks = [self.rank(lane) for (lane, _), _raw in pulled]
+        return [left - sum(1 for taken in ranks if taken <= rank)
+                for rank, left in enumerate(room)]
 
     @staticmethod
     def pulled(reply) -> list[Pulled]:

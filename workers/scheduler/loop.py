@@ -1,7 +1,8 @@
 """The scheduler role: pulls Submits from {prefix}:requests and the other service
 tiers' lanes (group "schedulers", the most urgent lane first) only when the engine has
-room, reads Cancel/FrontendGone from {prefix}:control, and writes one TokenBatch per
-model step to {prefix}:tokens."""
+room for them (a more urgent tier's where less urgent ones hold it: they make way),
+reads Cancel/FrontendGone from {prefix}:control, and writes one TokenBatch per model
+step to {prefix}:tokens."""
 
 from __future__ import annotations
 
@@ -101,10 +102,11 @@ class Scheduler:
             await self.upkeep()
         self.admit_compiled()
         # asked before the step: the engine is its thread's then
-        room = 0 if self.draining.is_set() else self.engine.can_admit()
+        # by lane: a full engine may still take a more urgent tier's requests
+        room = [] if self.draining.is_set() else self.engine.can_admit()
         if not self.engine.has_work():  # idle: wait for work, nothing to overlap
             control, requests = await self.exchange(room)
-            if room > 0 and not requests and not self.compiling:
+            if max(room, default=0) > 0 and not requests and not self.compiling:
                 requests = await self.lanes.wait_for_new(self.reader)
             await self.take(control, requests)
             if self.compiling and not requests:  # wait for a compile, a while at most
@@ -115,7 +117,7 @@ class Scheduler:
                                                              self.engine.step)
         try:
             control, requests = await self.exchange(room)
-            requests += await self.pull_while(running, room - len(requests))
+            requests += await self.pull_while(running, self.lanes.left(room, requests))
         finally:  # never leave the engine running into the next call
             self.emit(await running)
             self.step_s += STEP_EMA * (time.perf_counter() - launched - self.step_s)
@@ -141,13 +143,14 @@ class Scheduler:
             self.failures.append(Failed(request_id, run.submit.reply_to, RETRY,
                                         "its scheduler is shutting down", run.submit.attempt,
                                         died=False))
-        await self.exchange(0)  # the last tokens, the hand-backs and every ack
+        await self.exchange()  # the last tokens, the hand-backs and every ack
         self.drained = True
         return True
 
-    async def pull_while(self, running: asyncio.Future, room: int) -> list[Pulled]:
+    async def pull_while(self, running: asyncio.Future, room: list[int]) -> list[Pulled]:
         """Requests that arrive while the engine steps, pulled every half a
-        step (the recent steps' average, PULL_EVERY_S at least) up to `room`,
+        step (the recent steps' average, PULL_EVERY_S at least) up to `room`
+        (by lane, as `exchange`),
         so that they join after this step, not the next: one read at the
         step's start left an arrival waiting 1.5 steps on average. Steps
         shorter than two such periods (a few decodes) are left alone: there
@@ -156,22 +159,24 @@ class Scheduler:
         if self.step_s < 2 * PULL_EVERY_S:
             return taken
         every = self.step_s / 2
-        while room > len(taken):
+        while max(room, default=0) > 0:
             done, _ = await asyncio.wait({running}, timeout=every)
             if done:
                 break
-            _, read = await self.client.transaction([], then=self.lanes.pull(room - len(taken)))
-            taken += self.lanes.pulled(read)
+            _, read = await self.client.transaction([], then=self.lanes.pull(room))
+            taken += (pulled := self.lanes.pulled(read))
+            room = self.lanes.left(room, pulled)
         return taken
 
-    async def exchange(self, room: int) -> tuple[list, list[Pulled]]:
+    async def exchange(self, room: list[int] | None = None) -> tuple[list, list[Pulled]]:
         """One round trip, in one write (StreamClient.transaction, past
         redis-py's per-command work): what earlier steps produced and
         failures since, oldest first; acks; control entries; without
-        waiting, up to `room` new requests. One MULTI/EXEC: an entry is
-        acked only with the tokens it waited for (a crash before they are on
-        TOKENS must redeliver it; a write Redis refuses, out of memory,
-        aborts it all). A batch stays queued until Redis took it (a lost
+        waiting, new requests: up to `room[i]` from lanes 0..i together (a
+        more urgent lane may have room where the engine is full). One
+        MULTI/EXEC: an entry is acked only with the tokens it waited for (a
+        crash before they are on TOKENS must redeliver it; a write Redis
+        refuses, out of memory, aborts it all). A batch stays queued until Redis took it (a lost
         reply means a duplicate the frontend drops)."""
         if self.failures:
             failures, self.failures = self.failures, []
@@ -180,7 +185,8 @@ class Scheduler:
         commands = [xadd(self.keys.tokens, batch) for batch in self.unsent]
         commands += (ack_commands := self.lanes.acks(acks))
         commands.append(("XREAD", "COUNT", 512, "STREAMS", self.keys.control, self.control_id))
-        if room > 0:
+        pulls = bool(room) and max(room) > 0
+        if pulls:
             commands.append(self.lanes.pull(room))
         replies, _ = await self.client.transaction(commands)
         del self.unsent[:sending]
@@ -189,7 +195,7 @@ class Scheduler:
         control = [entry for _stream, entries in read_entries(reads[0]) for entry in entries]
         if control:
             self.control_id = control[-1][0]
-        return control, self.lanes.pulled(reads[1]) if room > 0 else []
+        return control, self.lanes.pulled(reads[1]) if pulls else []
 
     async def take(self, control: list, requests: list[Pulled]) -> None:
         for _entry_id, raw in control:
