@@ -246,3 +246,18 @@ def test_room_by_tier_counts_what_less_urgent_requests_hold():
     assert batcher.room(3) == [4, 3, 1]  # flex waits for 2 of the 3 free blocks
     batcher.add(Sequence("big", list(range(200, 212)), 12, Sampling(), 0, 2, rank=1))
     assert batcher.room(3) == [4, 0, 0]  # big waits for all 3
+
+
+def test_nobody_is_preempted_for_a_request_that_would_not_fit_anyway():
+    """The urgent arrival needs more blocks than the free ones and the less urgent
+    request's together (an equally urgent one holds the rest): the less urgent one
+    keeps running, and the arrival waits for blocks to free."""
+    batcher = make(num_blocks=10)
+    batcher.add(Sequence("priority", list(range(24)), 24, Sampling(), 0, 0, rank=0))
+    batcher.add(Sequence("flex", list(range(100, 108)), 8, Sampling(), 0, 1, rank=2))
+    finish_step(batcher, batcher.schedule())  # 6 + 2 blocks of 10
+    batcher.add(Sequence("urgent", list(range(200, 220)), 20, Sampling(), 0, 2, rank=0))
+    plan = batcher.schedule()  # urgent needs 5: 2 free and flex's 3 would not do
+    assert sorted(c.seq.request_id for c in plan.chunks) == ["flex", "priority"]
+    assert [s.request_id for s in batcher.waiting] == ["urgent"]
+    assert batcher.num_preemptions == 0

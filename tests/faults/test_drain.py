@@ -5,6 +5,7 @@ leaves the tier at once; nothing is lost or repeated, and no TTL is waited for."
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 
@@ -14,6 +15,7 @@ import redis
 from pipeline.status import live_workers
 from pipeline.streams import DETOKENIZERS, SCHEDULERS, Keys
 from tests.faults.clients import prompts, report, stream_many
+from tests.test_scheduler_loop import slow_schema
 
 
 def _sigterm_once_flowing(url: str, victim, texts: list[str], max_tokens: int,
@@ -199,3 +201,29 @@ def test_hand_backs_by_drains_are_not_deaths_toward_the_poison_limit(own_redis7,
     _assert_whole("two drains, then a crash", reference, got, 0.0)
     assert exit_code == 0
     assert f"took over {len(texts)} requests of dead scheduler" in rescuer_log[0].read_text()
+
+
+def test_a_scheduler_exits_without_waiting_for_an_abandoned_grammar_compile(own_redis7,
+                                                                            make_tier):
+    """A schema that takes seconds to compile, past --grammar-timeout: its request is a
+    400 at the limit while the compile runs on (xgrammar cannot be stopped). SIGTERM
+    then sees the scheduler exit 0 at once, not once that compile ends."""
+    tier = make_tier(own_redis7.url)
+    victim = tier.start("scheduler", **{"grammar-timeout": 0.3})
+    tier.start("detokenizer")
+    url = tier.start_api()
+    tier.wait_ready()
+    schema = {"name": "slow", "schema": json.loads(slow_schema(400))}
+    response = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": schema}})
+    assert response.status_code == 400, response.text
+    assert "did not compile within 0.3 s" in response.json()["error"]["message"]
+    victim.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    assert victim.wait(timeout=120) == 0
+    exit_s = time.monotonic() - t0
+    logged = (tier.log_dir / "scheduler-0.log").read_text()
+    assert "exiting without waiting: a grammar compile" in logged, logged
+    print(f"\nscheduler exit with an abandoned compile: {exit_s:.2f} s")
+    assert exit_s < 3.0

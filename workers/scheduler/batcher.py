@@ -121,19 +121,21 @@ class Batcher:
         """Waiting sequences of a more urgent tier than some running ones, the most
         urgent first: where a slot or its blocks are short, the least urgent running
         sequences make way (preempted, to be recomputed later) until it fits. Within
-        a tier nobody is preempted for an arrival. The blocks are checked for each
-        sequence alone, the slots for them all."""
+        a tier nobody is preempted for an arrival, nor for one that would not fit
+        with every less urgent one gone. The blocks are checked for each sequence
+        alone, the slots for them all."""
         reserved = 0  # slots made for earlier ones, taken by them this step or the next
         for seq in list(self.waiting):
-            if not any(running.rank > seq.rank for running in self.running):
-                return
+            victims = [running for running in self.running if running.rank > seq.rank]
             found = [] if seq.collects_prompt else self.allocator.cached_prefix(seq.token_ids)
-            while (len(self.running) + reserved >= self.max_running_requests
-                   or not self.allocator.can_allocate(seq.token_ids, found)):
-                victims = [running for running in self.running if running.rank > seq.rank]
-                if not victims:
-                    return
-                self._preempt(max(victims, key=lambda s: s.order))
+            if not victims or not self.allocator.can_allocate(
+                    seq.token_ids, found, [victim.request_id for victim in victims]):
+                return  # the head of the queue waits, and so does everyone behind it
+            while victims and (len(self.running) + reserved >= self.max_running_requests
+                               or not self.allocator.can_allocate(seq.token_ids, found)):
+                victim = max(victims, key=lambda s: s.order)
+                victims.remove(victim)
+                self._preempt(victim)
             reserved += 1
 
     def finish(self, seq: Sequence) -> None:

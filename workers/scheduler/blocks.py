@@ -116,12 +116,25 @@ class BlockAllocator:
                 return block_id, count
         return -1, 0
 
-    def can_allocate(self, token_ids: list[int], hits: list[int] | None = None) -> bool:
-        """`hits`: cached_prefix(token_ids), where the caller has it already."""
+    def can_allocate(self, token_ids: list[int], hits: list[int] | None = None,
+                     freeing: list[str] = ()) -> bool:
+        """`hits`: cached_prefix(token_ids), where the caller has it already.
+        `freeing`: as if those requests' blocks were freed first."""
         hits = self.cached_prefix(token_ids) if hits is None else hits
         num_hits_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         needed = self.blocks_needed(len(token_ids)) - len(hits)
-        return needed <= self.num_free_blocks - num_hits_free
+        return needed <= self.num_free_blocks - num_hits_free + self._freed_by(freeing, hits)
+
+    def _freed_by(self, request_ids: list[str], hits: list[int]) -> int:
+        """Blocks that freeing `request_ids` would free, other than `hits` (a hit
+        freed is one the prompt takes back, not one more for it)."""
+        held: dict[int, int] = {}
+        for request_id in request_ids:
+            for block_id in self.tables[request_id].block_ids:
+                held[block_id] = held.get(block_id, 0) + 1
+        kept = set(hits)
+        return sum(1 for block_id, count in held.items()
+                   if count == self.blocks[block_id].ref_count and block_id not in kept)
 
     def allocate(self, request_id: str, token_ids: list[int],
                  found: list[int] | None = None, reuse: bool = True) -> int:

@@ -8,7 +8,8 @@
 # compile ahead of it. A compile past the limit is refused with every request waiting for
 # it; its structure is remembered as too slow (asked again, it is refused at once rather
 # than compiled again), and it runs on to its end on the thread it has (xgrammar cannot be
-# stopped) while a fresh thread takes the next.
+# stopped) while a fresh thread takes the next. The scheduler's process exits without
+# waiting for such a compile (`abandoned`; role.py).
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class Compiles:
         # the compile under way: its structure, its outcome to come, when it began
         self._current: tuple[Structure, asyncio.Future, float] | None = None
         self._too_slow: OrderedDict[Structure, float] = OrderedDict()  # -> the limit it missed
+        self._abandoned: list[asyncio.Future] = []  # compiles past their limit, running on
 
     def __contains__(self, request_id: str) -> bool:
         return any(run.submit.request_id == request_id
@@ -74,6 +76,7 @@ class Compiles:
                 self._too_slow.popitem(last=False)
             self._thread.shutdown(wait=False)  # its compile ends there, unheeded
             self._thread = _grammar_thread()
+            self._abandoned = [*(f for f in self._abandoned if not f.done()), compiling]
         elif isinstance(compiling.exception(), PipelineError):
             error = compiling.exception()
         elif compiling.exception() is not None:  # not a schema's fault: a bug of ours
@@ -84,6 +87,11 @@ class Compiles:
         runs = self._waiting.pop(structure)
         self._begin_next()
         return [(run, error) for run in runs]
+
+    def abandoned(self) -> bool:
+        """Whether a compile past its limit is still running: its thread would hold
+        back the process's exit until it ends (Python joins an executor's threads)."""
+        return any(not compiling.done() for compiling in self._abandoned)
 
     async def wait(self, timeout_s: float) -> None:
         """Until the compile under way ends, `timeout_s` at most."""

@@ -150,16 +150,17 @@ class Scheduler:
     async def pull_while(self, running: asyncio.Future, room: list[int]) -> list[Pulled]:
         """Requests that arrive while the engine steps, pulled every half a
         step (the recent steps' average, PULL_EVERY_S at least) up to `room`
-        (by lane, as `exchange`),
-        so that they join after this step, not the next: one read at the
-        step's start left an arrival waiting 1.5 steps on average. Steps
-        shorter than two such periods (a few decodes) are left alone: there
-        the wait costs more than it saves."""
+        (by lane, as `exchange`) while the engine has room of its own (for
+        every tier: a full one takes a more urgent tier's at the next step,
+        with no pulls between a full tier's steps), so that they join after
+        this step, not the next: one read at the step's start left an arrival
+        waiting 1.5 steps on average. Steps shorter than two such periods (a
+        few decodes) are left alone: there the wait costs more than it saves."""
         taken: list[Pulled] = []
         if self.step_s < 2 * PULL_EVERY_S:
             return taken
         every = self.step_s / 2
-        while max(room, default=0) > 0:
+        while room and room[-1] > 0:
             done, _ = await asyncio.wait({running}, timeout=every)
             if done:
                 break
