@@ -19,6 +19,7 @@ ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", 
                     "/generate", "/tokenize", "/detokenize", "/health", "/health_generate",
                     "/metrics"})
 MODEL = "/v1/models/{model}"  # one label for every id asked for
+RESPONSE = "/v1/responses/{response_id}"  # a stored response's routes, its input_items too
 SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TOKEN_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0)
 
@@ -82,7 +83,8 @@ class Metrics:
                                  registry=own)
 
     def http(self, path: str, code: int, seconds: float) -> None:
-        route = path if path in ROUTES else MODEL if path.startswith("/v1/models/") else "other"
+        route = (path if path in ROUTES else MODEL if path.startswith("/v1/models/")
+                 else RESPONSE if path.startswith("/v1/responses/") else "other")
         self.http_requests.labels(route, str(code)).inc()
         self.http_seconds.labels(route).observe(seconds)
 

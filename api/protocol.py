@@ -199,9 +199,10 @@ class DetokenizeRequest(BaseModel):
 
 
 class ResponsesRequest(SamplingFields):
-    """OpenAI's Responses API (/v1/responses), stateless: the conversation comes whole
-    in `input` (api/responses_input.py turns it into a chat). Fields that would need
-    stored state or features we lack are declared so `unsupported` can refuse them."""
+    """OpenAI's Responses API (/v1/responses): `input`, after the stored conversation
+    that `previous_response_id` names (api/responses_store.py), becomes a chat
+    (api/responses_input.py). Fields for features we lack are declared so that
+    `unsupported` can refuse them."""
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -212,7 +213,7 @@ class ResponsesRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_schema" ...}}
-    store: bool | None = None  # nothing is stored: a response cannot be fetched again
+    store: bool | None = None  # None: stored, as OpenAI's default (unless --response-ttl-s 0)
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     background: bool | None = None
@@ -230,8 +231,7 @@ class ResponsesRequest(SamplingFields):
         return self
 
     def unsupported(self) -> str | None:
-        lacking = ("previous_response_id", "conversation", "background", "reasoning",
-                   "include", "top_logprobs")
+        lacking = ("conversation", "background", "reasoning", "include", "top_logprobs")
         return next((name for name in lacking if getattr(self, name)), None)
 
 

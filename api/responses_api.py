@@ -1,8 +1,9 @@
-# POST /v1/responses: OpenAI's Responses API, stateless (nothing is stored: a client
-# sends the whole conversation in `input`). A request runs as the chat it amounts to
-# (api/responses_input.py); its output comes back as Responses items: a reasoning item
-# with a thinking model's thought, a message with the text, a function_call item each
-# tool call. Streamed, as Responses' typed events.
+# POST /v1/responses: OpenAI's Responses API. A request runs as the chat it amounts to
+# (api/responses_input.py), after the stored conversation its previous_response_id names;
+# its output comes back as Responses items: a reasoning item with a thinking model's
+# thought, a message with the text, a function_call item each tool call. Streamed, as
+# Responses' typed events. Stored (unless `store` is false) for GET, DELETE and
+# continuations (api/responses_store.py).
 
 from __future__ import annotations
 
@@ -11,20 +12,21 @@ import itertools
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 
 from api.errors import as_pipeline_error
 from api.openai_routes import chat_job, job_events
 from api.protocol import ResponsesRequest
 from api.responses import Job
-from api.responses_input import responses_param, to_chat
+from api.responses_input import input_items, responses_param, to_chat
+from api.responses_store import Store, Stored, history, page, with_ids
 from api.served import Served, served
 from api.streaming import Choice, Event, EventStream, collect, started
 from api.tools import OutputReader
-from pipeline.errors import PipelineError
+from pipeline.errors import InvalidRequest, PipelineError
 from pipeline.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -33,21 +35,67 @@ ServedDep = Annotated[Served, Depends(served)]
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request, s: ServedDep):
+    store = _store(s)
     try:
-        job = chat_job(to_chat(body), s)
+        context = history(await _previous(body, store))
+        job = chat_job(to_chat(body, context), s)
         job = dataclasses.replace(job, response_id=f"resp_{uuid.uuid4().hex}")
+        # what a continuation of it starts from, less its output; None: not stored
+        keep = with_ids(context + input_items(body)) \
+            if body.store is not False and store.ttl_s > 0 else None
         events = job_events(job, body.stream, s)
         if body.stream:
-            return EventStream(_events(job, body, await started(events), s.tokenizer),
-                               encode=_sse)
+            return EventStream(_events(job, body, await started(events), s.tokenizer,
+                                       store, keep), encode=_sse)
         [choice] = await collect(request, events, 1)
     except PipelineError as error:
         raise responses_param(error) from None
-    return _finished(job, body, choice, s.tokenizer)
+    return await _kept(store, keep, _finished(job, body, choice, s.tokenizer,
+                                              stored=keep is not None))
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, s: ServedDep):
+    return (await _store(s).get(response_id)).response
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, s: ServedDep):
+    await _store(s).delete(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, s: ServedDep,
+                           limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                           order: Literal["asc", "desc"] = "desc", after: str | None = None):
+    """The items the response answered (those it continued included), `order`
+    desc (the latest first) by default, as OpenAI pages them."""
+    return page((await _store(s).get(response_id)).items, limit, order, after)
+
+
+def _store(s: Served) -> Store:
+    return Store(s.frontend.client.redis, s.frontend.keys, s.config.response_ttl_s)
+
+
+async def _previous(body: ResponsesRequest, store: Store) -> Stored | None:
+    if body.previous_response_id is None:
+        return None
+    if store.ttl_s <= 0:
+        raise InvalidRequest("this server stores no responses (--response-ttl-s 0): send "
+                             "the whole conversation in input", param="previous_response_id")
+    return await store.get(body.previous_response_id, param="previous_response_id")
+
+
+async def _kept(store: Store, keep: list[dict] | None, response: dict) -> dict:
+    """`response`, stored first with the items it answered where `keep` has them."""
+    if keep is not None:
+        await store.put(Stored(response, keep))
+    return response
 
 
 def _shell(job: Job, body: ResponsesRequest, status: str, output: list, usage=None,
-           finish: str | None = None) -> dict:
+           finish: str | None = None, stored: bool = False) -> dict:
     return {"id": job.response_id, "object": "response", "created_at": job.created,
             "status": status, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
@@ -56,11 +104,13 @@ def _shell(job: Job, body: ResponsesRequest, status: str, output: list, usage=No
             "temperature": body.temperature, "top_p": body.top_p,
             "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
             "text": body.text or {"format": {"type": "text"}}, "usage": usage,
-            "metadata": body.metadata or {}, "store": False, "service_tier": job.service_tier}
+            "metadata": body.metadata or {}, "store": stored,
+            "previous_response_id": body.previous_response_id,
+            "service_tier": job.service_tier}
 
 
 def _finished(job: Job, body: ResponsesRequest, choice: Choice, tokenizer: Tokenizer,
-              output: list | None = None):
+              output: list | None = None, stored: bool = False):
     """The whole response: `output` as streamed, or made from the choice's text."""
     if output is None:
         reader = OutputReader(job.tool_calls, job.reasoning)
@@ -76,7 +126,7 @@ def _finished(job: Job, body: ResponsesRequest, choice: Choice, tokenizer: Token
              "output_tokens_details": usage["completion_tokens_details"],
              "total_tokens": usage["total_tokens"]}
     status = "incomplete" if choice.finish == "length" else "completed"
-    return _shell(job, body, status, output, usage, choice.finish)
+    return _shell(job, body, status, output, usage, choice.finish, stored)
 
 
 def _message(item_id: str, text: str, status: str) -> dict:
@@ -178,13 +228,14 @@ class _Items:
 
 
 async def _events(job: Job, body: ResponsesRequest, events: AsyncIterator[Event],
-                  tokenizer: Tokenizer) -> AsyncIterator[dict]:
+                  tokenizer: Tokenizer, store: Store, keep: list[dict] | None,
+                  ) -> AsyncIterator[dict]:
     numbers = itertools.count()
 
     def event(kind: str, **fields) -> dict:
         return {"type": kind, "sequence_number": next(numbers), **fields}
 
-    opening = _shell(job, body, "in_progress", [])
+    opening = _shell(job, body, "in_progress", [], stored=keep is not None)
     yield event("response.created", response=opening)
     yield event("response.in_progress", response=opening)
     reader, items, choice = OutputReader(job.tool_calls, job.reasoning), _Items(event), Choice()
@@ -200,7 +251,8 @@ async def _events(job: Job, body: ResponsesRequest, events: AsyncIterator[Event]
                 yield each
     for each in items.close():
         yield each
-    whole = _finished(job, body, choice, tokenizer, items.done)
+    whole = await _kept(store, keep, _finished(job, body, choice, tokenizer, items.done,
+                                               stored=keep is not None))
     kind = "response.incomplete" if whole["status"] == "incomplete" else "response.completed"
     yield event(kind, response=whole)
 

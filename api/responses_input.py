@@ -1,5 +1,6 @@
-# A Responses API request as the chat it amounts to: `instructions` and `input`'s items
-# (messages, function calls and their outputs) become chat messages, flat function tools
+# A Responses API request as the chat it amounts to: `instructions`, the stored items it
+# continues (previous_response_id) and `input`'s items (messages, function calls and their
+# outputs; reasoning items are dropped) become chat messages, flat function tools
 # become chat tools, `text.format` becomes response_format. Its errors name the
 # Responses field (input[2].content[0].type), not the chat's.
 
@@ -19,17 +20,25 @@ CHAT_TO_RESPONSES = {"max_tokens": "max_output_tokens",
                      "response_format": "text.format"}
 
 
-def to_chat(body: ResponsesRequest) -> ChatRequest:
+def input_items(body: ResponsesRequest) -> list[dict]:
+    """`input` as items: a text is one user message."""
+    if isinstance(body.input, str):
+        return [{"type": "message", "role": "user", "content": body.input}]
+    return body.input
+
+
+def to_chat(body: ResponsesRequest, history: list[dict] = ()) -> ChatRequest:
+    """`history`: the stored items that `previous_response_id` continues (its
+    instructions are not carried over, as with OpenAI)."""
     field = body.unsupported()
     if field is not None:
-        raise InvalidRequest(f"{field} is not supported by this server (it stores nothing: "
-                             "send the whole conversation in input)", param=field)
+        raise InvalidRequest(f"{field} is not supported by this server", param=field)
     if body.n != 1:
         raise InvalidRequest("the Responses API makes one output", param="n")
-    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) \
-        else body.input
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    for index, item in enumerate(items):
+    for item in history:
+        _add_item(messages, item, "previous_response_id")
+    for index, item in enumerate(input_items(body)):
         _add_item(messages, item, f"input[{index}]")
     sampling = body.model_dump(include=set(SamplingFields.model_fields))
     chat = {**sampling, "model": body.model, "stream": body.stream, "messages": messages,
@@ -79,6 +88,8 @@ def _add_item(messages: list[dict], item: dict[str, Any], param: str) -> None:
             last.setdefault("tool_calls", []).append(call)
         else:
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "reasoning":  # a past thought: chat templates keep none
+        return
     elif kind == "function_call_output":
         output = item.get("output")
         messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", param),
@@ -86,7 +97,8 @@ def _add_item(messages: list[dict], item: dict[str, Any], param: str) -> None:
                          else _text(output, param, "output")})
     else:
         raise InvalidRequest(f"input items of type {kind!r} are not supported: this server "
-                             "takes messages, function_call and function_call_output",
+                             "takes messages, function_call, function_call_output and "
+                             "reasoning",
                              param=f"{param}.type")
 
 

@@ -11,7 +11,8 @@ _GROUP_READER = ["xreadgroup", "xack", "xgroup", "xclaim", "xpending", "xtrim",
 
 ROLES: dict[str, tuple[list[str], list[str]]] = {
     # role: (key patterns under the prefix, commands)
-    "api": (["requests", "requests:*", "control", "replies:*", "alive:*", "workers"],
+    "api": (["requests", "requests:*", "control", "replies:*", "alive:*", "workers",
+             "response:*"],  # stored Responses API responses
             _COMMON + ["xadd", "xread", "pexpire"]),
     "scheduler": (["requests", "requests:*", "control", "tokens", "alive:*", "workers",
                    "admitted:*", "dead"],

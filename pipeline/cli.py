@@ -73,6 +73,10 @@ KvCacheDtype = Annotated[str, _opt("KV_CACHE_DTYPE", "auto | model | int8: the K
 Threads = Annotated[int | None, _opt("NUM_THREADS", "torch threads per scheduler.")]
 CudaGraphs = Annotated[int, _opt("CUDA_GRAPH_MAX_BATCH", "On CUDA with flashinfer, decode steps "
                                  "of up to this many requests replay CUDA graphs; 0: off.")]
+ResponseTtl = Annotated[float, _opt(
+    "RESPONSE_TTL_S", "Seconds a stored Responses API response is kept in Redis (its "
+    "`store`, on by default, so that previous_response_id continues it on any api); 0 "
+    "stores none.", min=0.0)]
 GrammarTimeout = Annotated[float, _opt(
     "GRAMMAR_TIMEOUT", "Seconds a structured request's grammar (response_format, tools) may "
     "take to compile on a scheduler before the request is refused (a 400); the steps go on "
@@ -109,7 +113,7 @@ def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: in
                  kv_cache_dtype: str = "auto", drain_timeout_s: float = 20.0,
                  served_model_name: str | None = None, access_log: bool = False,
                  allowed_origins: str | None = None,
-                 grammar_timeout_s: float = 10.0) -> Config:
+                 grammar_timeout_s: float = 10.0, response_ttl_s: float = 3600.0) -> Config:
     names = () if served_model_name is None else tuple(
         name.strip() for name in served_model_name.split(",") if name.strip())
     if served_model_name is not None and not names:
@@ -121,7 +125,7 @@ def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: in
         api=ApiConfig(host=host, port=port, api_key=api_key, request_timeout_s=request_timeout,
                       max_queued_requests=max_queued_requests, stream_interval=stream_interval,
                       served_model_names=names, access_log=access_log,
-                      allowed_origins=_listed(allowed_origins)),
+                      allowed_origins=_listed(allowed_origins), response_ttl_s=response_ttl_s),
         scheduler=SchedulerConfig(max_running_requests=max_running_requests,
                                   max_batch_tokens=max_batch_tokens, kv_cache_mb=kv_cache_mb,
                                   dtype=dtype, quantization=quantization,
@@ -157,6 +161,7 @@ def child_env(config: Config, redis_url: str, log_level: str, api_workers: int,
         "CUDA_GRAPH_MAX_BATCH": config.scheduler.cuda_graph_max_batch,
         "GRAMMAR_TIMEOUT": config.scheduler.grammar_timeout_s,
         "REQUEST_TIMEOUT": config.api.request_timeout_s,
+        "RESPONSE_TTL_S": config.api.response_ttl_s,
         "MAX_QUEUED_REQUESTS": config.api.max_queued_requests, "LOG_LEVEL": log_level,
         "LOG_FORMAT": log_format,
         "STREAM_INTERVAL": config.api.stream_interval,
@@ -179,7 +184,7 @@ def serve(
     quantization: Quantization = "auto", activations: Activations = "auto",
     device: Device = "auto", num_threads: Threads = None, cuda_graph_max_batch: CudaGraphs = 256,
     grammar_timeout: GrammarTimeout = 10.0,
-    request_timeout: Timeout = 600.0,
+    request_timeout: Timeout = 600.0, response_ttl_s: ResponseTtl = 3600.0,
     max_queued_requests: MaxQueued = 1024, alive_ttl_s: AliveTtl = 5.0,
     stream_interval: StreamInterval = 1, drain_timeout_s: DrainTimeout = 20.0,
     log_level: LogLevel = "info", log_format: LogFormat = "text", access_log: AccessLog = False,
@@ -206,7 +211,8 @@ def serve(
         max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s,
         stream_interval=stream_interval, drain_timeout_s=drain_timeout_s,
         served_model_name=served_model_name, access_log=access_log,
-        allowed_origins=allowed_origins, grammar_timeout_s=grammar_timeout)
+        allowed_origins=allowed_origins, grammar_timeout_s=grammar_timeout,
+        response_ttl_s=response_ttl_s)
     counts = {"api": api_workers, "scheduler": schedulers, "detokenizer": detokenizers}
     raise typer.Exit(serve_forever(config, counts, lambda url: child_env(
         config, url, log_level, api_workers, log_format)))
@@ -226,7 +232,7 @@ def worker(
     quantization: Quantization = "auto", activations: Activations = "auto",
     device: Device = "auto", num_threads: Threads = None, cuda_graph_max_batch: CudaGraphs = 256,
     grammar_timeout: GrammarTimeout = 10.0,
-    request_timeout: Timeout = 600.0,
+    request_timeout: Timeout = 600.0, response_ttl_s: ResponseTtl = 3600.0,
     max_queued_requests: MaxQueued = 1024, alive_ttl_s: AliveTtl = 5.0,
     stream_interval: StreamInterval = 1, drain_timeout_s: DrainTimeout = 20.0,
     log_level: LogLevel = "info", log_format: LogFormat = "text", access_log: AccessLog = False,
@@ -247,7 +253,8 @@ def worker(
         max_queued_requests=max_queued_requests, alive_ttl_s=alive_ttl_s,
         stream_interval=stream_interval, drain_timeout_s=drain_timeout_s,
         served_model_name=served_model_name, access_log=access_log,
-        allowed_origins=allowed_origins, grammar_timeout_s=grammar_timeout)
+        allowed_origins=allowed_origins, grammar_timeout_s=grammar_timeout,
+        response_ttl_s=response_ttl_s)
     config = _with_worker_id(config, role, worker_id)
     run_role(role.value, config, api_workers=api_workers)
 

@@ -32,6 +32,8 @@ class ApiConfig:
     allowed_origins: tuple[str, ...] = ()  # CORS: pages that may call the api; ("*",): any
     max_queued_requests: int = 1024  # unadmitted requests before 503
     request_timeout_s: float = 600.0
+    # how long a stored Responses API response is kept (api/responses_store.py); 0: none
+    response_ttl_s: float = 3600.0
     max_body_bytes: int = 4 * 1024 * 1024
     max_n: int = 8
     stream_interval: int = 1  # tokens a streamed delta carries; 1: each as it is made

@@ -49,6 +49,10 @@ class ModelNotFound(PipelineError):
     code = "model_not_found"
 
 
+class NotFound(PipelineError):
+    code = "not_found"
+
+
 class Overloaded(PipelineError):
     code = "overloaded"
 
@@ -65,7 +69,7 @@ class ConfigError(PipelineError):
 
 def error_from_code(code: str, detail: str, param: str | None = None) -> PipelineError:
     for cls in (InvalidRequest, ContextLengthExceeded, Unauthorized, ModelNotFound,
-                Overloaded, RequestTimeout):
+                NotFound, Overloaded, RequestTimeout):
         if cls.code == code:
             return cls(detail, param=param)
     error = PipelineError(detail, param=param)

@@ -66,6 +66,10 @@ class Keys:
     def frontend_of(self, reply_to: str) -> str:
         return reply_to.removeprefix(f"{self.prefix}:replies:")
 
+    def response(self, response_id: str) -> str:
+        """A stored Responses API response (api/responses_store.py)."""
+        return f"{self.prefix}:response:{response_id}"
+
     def alive(self, role: str, worker_id: str) -> str:
         return f"{self.prefix}:alive:{role}:{worker_id}"
 

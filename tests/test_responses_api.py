@@ -1,6 +1,7 @@
 """/v1/responses through the OpenAI client on the session's tier: text, streamed
-events, function calls and their outputs sent back, structured text; and what it
-refuses, each a 400 naming the Responses field."""
+events, function calls and their outputs sent back, structured text, stored responses
+continued (on another api), fetched, listed and deleted; and what it refuses, each a
+400 naming the Responses field."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import json
 
 import openai
 import pytest
+import redis
 
+from pipeline.streams import Keys
 from tests.test_api_validation import assert_openai_error, serving
 from tests.test_openai_client import WEATHER
 
@@ -97,7 +100,7 @@ def test_text_format_holds_the_output_to_a_schema(client):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0].type"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
      "input[0].call_id"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
@@ -111,3 +114,64 @@ async def test_what_the_responses_api_cannot_do_is_a_400_naming_its_field(
     async with serving(redis_url, prefix, model_files) as api:
         response = await api.post("/v1/responses", json=body)
     assert_openai_error(response, 400, param=param)
+
+
+def test_a_stored_response_is_continued_on_any_api_fetched_listed_and_deleted(client, tier):
+    """A response is stored by default: another api of the tier continues it by its id,
+    as the client would by sending the conversation whole (the same reply, the same
+    prompt), and finds it, its input items and, once deleted, no more of it."""
+    first = client.responses.create(model=MODEL, temperature=0, max_output_tokens=12,
+                                    instructions="Be brief.", input="My name is Ada. Hi!")
+    assert first.store
+    with tier.extra_api() as (other_url, _proc):
+        other = openai.OpenAI(base_url=f"{other_url}/v1", api_key="unused", timeout=120)
+        then = other.responses.create(model=MODEL, temperature=0, max_output_tokens=12,
+                                      previous_response_id=first.id,
+                                      input="What is my name?")
+    whole = client.responses.create(model=MODEL, temperature=0, max_output_tokens=12,
+                                    store=False, input=[  # instructions are not carried over
+                                        {"role": "user", "content": "My name is Ada. Hi!"},
+                                        {"role": "assistant", "content": first.output_text},
+                                        {"role": "user", "content": "What is my name?"}])
+    assert then.previous_response_id == first.id
+    assert then.output_text == whole.output_text
+    assert then.usage.input_tokens == whole.usage.input_tokens
+    fetched = client.responses.retrieve(then.id)
+    assert (fetched.id, fetched.output_text, fetched.usage) == (then.id, then.output_text,
+                                                                then.usage)
+    items = client.responses.input_items.list(then.id)  # the latest first
+    assert [(i.type, i.role) for i in items.data] == [
+        ("message", "user"), ("message", "assistant"), ("message", "user")]
+    assert items.data[1].id == first.output[0].id and all(i.id for i in items.data)
+    oldest = client.responses.input_items.list(then.id, order="asc", limit=1)
+    assert [i.id for i in oldest.data] == [items.data[-1].id] and oldest.has_more
+    ttl_ms = redis.Redis.from_url(tier.redis_url).pttl(Keys(tier.prefix).response(then.id))
+    assert 0 < ttl_ms <= 3600 * 1000
+    client.responses.delete(then.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(then.id)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL, previous_response_id=then.id, input="Hi")
+    assert refused.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(whole.id)  # store: false
+
+
+def test_a_streamed_response_is_stored_as_its_last_event_shows_it(client):
+    events = list(client.responses.create(model=MODEL, temperature=0, max_output_tokens=8,
+                                          input="Name a fruit.", stream=True))
+    last = events[-1].response
+    assert last.store
+    fetched = client.responses.retrieve(last.id)
+    assert (fetched.output_text, fetched.status) == (last.output_text, last.status)
+
+
+async def test_with_no_storing_a_continuation_is_a_400_saying_so(redis_url, prefix,
+                                                                 model_files):
+    async with serving(redis_url, prefix, model_files, response_ttl_s=0) as api:
+        response = await api.post("/v1/responses", json={
+            "input": "hi", "previous_response_id": "resp_1"})
+        missing = await api.get("/v1/responses/resp_1")
+    error = assert_openai_error(response, 400, param="previous_response_id")
+    assert "--response-ttl-s 0" in error["message"]
+    assert_openai_error(missing, 404, "not_found")

@@ -25,6 +25,14 @@ def test_every_role_serves_with_only_its_documented_acl(own_redis7, make_tier):
     tier.wait_ready()
     body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
     assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+    # a stored response (Responses API), fetched and continued
+    stored = httpx.post(f"{url}/v1/responses", timeout=60,
+                        json={"input": "Hi", "max_output_tokens": 2}).json()
+    assert httpx.get(f"{url}/v1/responses/{stored['id']}", timeout=10).status_code == 200
+    assert httpx.post(f"{url}/v1/responses", timeout=60, json={
+        "input": "Hi", "max_output_tokens": 2, "previous_response_id": stored["id"]},
+    ).status_code == 200
+    assert httpx.get(f"{url}/health_generate", timeout=60).status_code == 200
     # /metrics reads every worker's liveness record with the api's own user
     metrics = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
     assert "pipeline_redis_up 1.0" in metrics
