@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import hmac
 import os
 import re
 import time
@@ -15,16 +14,17 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api import native_routes, openai_routes, responses_api, tokenize_routes
+from api import native_routes, openai_routes, responses_api, responses_stored, tokenize_routes
 from api.errors import error_response, install_handlers
 from api.frontend import Frontend
+from api.keys import TIER_LIMIT, ApiKeys
 from api.metrics import Metrics
 from api.sampling import Limits
 from api.served import Served, context_len
 from pipeline import logs
 from pipeline.config import ApiConfig, Config
 from pipeline.config_io import config_from_json
-from pipeline.errors import ConfigError, PipelineError, Unauthorized, error_from_code
+from pipeline.errors import ConfigError, PipelineError, error_from_code
 from pipeline.models import ModelFiles, resolve_model
 from pipeline.tokenizer import Tokenizer
 
@@ -50,7 +50,8 @@ def create_app(config: Config, model: ModelFiles | None = None) -> FastAPI:
         app.state.served = Served(names, limits, tokenizer, frontend, config.api)
         try:
             yield
-        finally:
+        finally:  # background responses go on while the api drains, then stop
+            await app.state.served.background.stop(config.drain_timeout_s)
             await frontend.stop()
 
     # strict_content_type off: a body sent without a Content-Type is still read as JSON
@@ -58,9 +59,12 @@ def create_app(config: Config, model: ModelFiles | None = None) -> FastAPI:
     install_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(responses_api.router)
+    app.include_router(responses_stored.router)
     app.include_router(native_routes.router)
     app.include_router(tokenize_routes.router)
-    app.add_middleware(RequestGuard, config=config.api, metrics=metrics)
+    # the keys parsed here: a bad --api-key fails the start, not the first request
+    app.add_middleware(RequestGuard, config=config.api, metrics=metrics,
+                       keys=ApiKeys(config.api.api_key))
     if config.api.allowed_origins:  # outside the guard: a browser's preflight has no key
         app.add_middleware(CORSMiddleware, allow_origins=list(config.api.allowed_origins),
                            allow_methods=["GET", "POST"], allow_headers=["*"],
@@ -87,14 +91,12 @@ class RequestGuard:
     the same id tags what the api logs for it), and is counted and timed (/metrics)
     by its status once its last byte is sent."""
 
-    def __init__(self, app: ASGIApp, config: ApiConfig, metrics: Metrics):
+    def __init__(self, app: ASGIApp, config: ApiConfig, metrics: Metrics, keys: ApiKeys):
         self.app = app
         self.config = config
         self.metrics = metrics
         self.header = (b"x-pipeline-frontend", (config.frontend_id or "").encode())
-        # KEY,KEY...: any of them, so that a key is rotated without a moment refusing both
-        self.expected = [b"Bearer " + key.encode()
-                         for key in (config.api_key or "").split(",") if key]
+        self.keys = keys  # any of them, each with its tier limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -136,12 +138,9 @@ class RequestGuard:
         return tagged
 
     def _check_key(self, scope: Scope) -> None:
-        if not self.expected or scope["path"] in OPEN_PATHS:
+        if not self.keys or scope["path"] in OPEN_PATHS:
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        # every key compared, so the time taken does not say which one came near
-        if not sum(hmac.compare_digest(given, expected) for expected in self.expected):
-            raise Unauthorized("a valid API key is required: Authorization: Bearer <key>")
+        TIER_LIMIT.set(self.keys.check(dict(scope["headers"]).get(b"authorization", b"")))
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
         limit = self.config.max_body_bytes

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from api.keys import service_tier
 from api.protocol import GenerateRequest, NativeSampling
 from api.sampling import check_prompt, to_sampling
 from api.served import Served, served
@@ -95,7 +96,8 @@ async def generate(body: GenerateRequest, request: Request, s: ServedDep):
     request_id = uuid.uuid4().hex
     response_id = body.rid or request_id
     events = choice_events(s.frontend, [(prompt_ids, sampling)], request_id,
-                           s.config.request_timeout_s, s.delta_interval(body.stream))
+                           s.config.request_timeout_s, s.delta_interval(body.stream),
+                           service_tier(None))  # the default tier, or its key's
     logprobs = Logprobs(s.tokenizer, body.logprob_start_len) if body.return_logprob else None
     if body.stream:
         return EventStream(_cumulative(response_id, prompt_ids, logprobs, await started(events)))

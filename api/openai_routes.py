@@ -12,6 +12,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 
 from api.chat_prompt import chat_prompt_ids
+from api.keys import service_tier
 from api.protocol import ChatRequest, CompletionRequest, OpenAIRequest
 from api.reasoning import reasoning_start, think_first
 from api.responses import Job, stream_chunks, whole_response
@@ -112,8 +113,7 @@ def _job(body: OpenAIRequest, s: Served, is_chat: bool, prompts: list[list[int]]
                created=int(time.time()), model=s.model_name, prompts=prompts,
                samplings=samplings, include_usage=include_usage, echo=echo,
                tool_calls=tool_calls, reasoning=reasoning,
-               service_tier=body.service_tier if body.service_tier not in (None, "auto")
-               else "default")
+               service_tier=service_tier(body.service_tier))
 
 
 def job_events(job: Job, stream: bool, s: Served):

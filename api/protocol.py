@@ -231,7 +231,7 @@ class ResponsesRequest(SamplingFields):
         return self
 
     def unsupported(self) -> str | None:
-        lacking = ("conversation", "background", "reasoning", "include", "top_logprobs")
+        lacking = ("conversation", "reasoning", "include", "top_logprobs")
         return next((name for name in lacking if getattr(self, name)), None)
 
 

@@ -7,22 +7,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Request
 
 from api.errors import as_pipeline_error
 from api.openai_routes import chat_job, job_events
 from api.protocol import ResponsesRequest
 from api.responses import Job
+from api.responses_background import UNFINISHED, failed, unless_cancelled
 from api.responses_input import input_items, responses_param, to_chat
-from api.responses_store import Store, Stored, history, page, with_ids
+from api.responses_store import Store, Stored, history, with_ids
+from api.responses_stored import store_of
 from api.served import Served, served
 from api.streaming import Choice, Event, EventStream, collect, started
 from api.tools import OutputReader
@@ -35,7 +38,7 @@ ServedDep = Annotated[Served, Depends(served)]
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request, s: ServedDep):
-    store = _store(s)
+    store = store_of(s)
     try:
         context = history(await _previous(body, store))
         job = chat_job(to_chat(body, context), s)
@@ -43,6 +46,8 @@ async def create_response(body: ResponsesRequest, request: Request, s: ServedDep
         # what a continuation of it starts from, less its output; None: not stored
         keep = with_ids(context + input_items(body)) \
             if body.store is not False and store.ttl_s > 0 else None
+        if body.background:
+            return await _in_background(job, body, store, keep, s)
         events = job_events(job, body.stream, s)
         if body.stream:
             return EventStream(_events(job, body, await started(events), s.tokenizer,
@@ -54,40 +59,63 @@ async def create_response(body: ResponsesRequest, request: Request, s: ServedDep
                                               stored=keep is not None))
 
 
-@router.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, s: ServedDep):
-    return (await _store(s).get(response_id)).response
-
-
-@router.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str, s: ServedDep):
-    await _store(s).delete(response_id)
-    return {"id": response_id, "object": "response", "deleted": True}
-
-
-@router.get("/v1/responses/{response_id}/input_items")
-async def list_input_items(response_id: str, s: ServedDep,
-                           limit: Annotated[int, Query(ge=1, le=100)] = 20,
-                           order: Literal["asc", "desc"] = "desc", after: str | None = None):
-    """The items the response answered (those it continued included), `order`
-    desc (the latest first) by default, as OpenAI pages them."""
-    return page((await _store(s).get(response_id)).items, limit, order, after)
-
-
-def _store(s: Served) -> Store:
-    return Store(s.frontend.client.redis, s.frontend.keys, s.config.response_ttl_s)
-
-
 async def _previous(body: ResponsesRequest, store: Store) -> Stored | None:
     if body.previous_response_id is None:
         return None
     if store.ttl_s <= 0:
         raise InvalidRequest("this server stores no responses (--response-ttl-s 0): send "
                              "the whole conversation in input", param="previous_response_id")
-    return await store.get(body.previous_response_id, param="previous_response_id")
+    previous = await store.get(body.previous_response_id, param="previous_response_id")
+    if previous.response["status"] in UNFINISHED:
+        raise InvalidRequest(f"the response {body.previous_response_id!r} has not ended yet "
+                             "(a background one: poll it)", param="previous_response_id")
+    return previous
 
 
-async def _kept(store: Store, keep: list[dict] | None, response: dict) -> dict:
+async def _in_background(job: Job, body: ResponsesRequest, store: Store,
+                         keep: list[dict] | None, s: Served) -> dict:
+    """The response, queued; it runs on (api/responses_background.py)."""
+    if body.stream:
+        raise InvalidRequest("a background response is not streamed here: poll GET "
+                             "/v1/responses/{id}", param="stream")
+    if keep is None:
+        raise InvalidRequest("a background response must be stored (store, and "
+                             "--response-ttl-s above 0)", param="background")
+    queued = _shell(job, body, "queued", [], stored=True)
+    owner = s.frontend.frontend_id
+    await store.put(Stored(queued, keep, owner))
+    s.background.start(_run_in_background(job, body, store, Stored(queued, keep, owner), s))
+    return queued
+
+
+async def _run_in_background(job: Job, body: ResponsesRequest, store: Store, stored: Stored,
+                             s: Served) -> None:
+    """Its generation, its record updated at its start and at its end: completed or
+    incomplete, failed with its error, or cancelled."""
+    choice, ended = Choice(), stored.response | {"status": "cancelled"}
+
+    async def fill() -> None:
+        async with aclosing(job_events(job, False, s)) as events:
+            async for _index, delta in events:
+                choice.add(delta)
+
+    try:
+        await store.put(Stored(stored.response | {"status": "in_progress"}, stored.items,
+                               stored.owner))
+        if await unless_cancelled(fill(), store, job.response_id):
+            ended = _finished(job, body, choice, s.tokenizer, stored=True)
+    except asyncio.CancelledError:  # the api is stopping
+        await store.put(Stored(failed(stored.response, "server_error", "the api running "
+                                      "this response stopped before it ended"), stored.items))
+        raise
+    except Exception as error:  # PipelineErrors as they are; anything else is a bug
+        error = as_pipeline_error(error)
+        ended = failed(stored.response, error.code, error.detail)
+    await store.put(Stored(ended, stored.items))
+    await store.redis.delete(store.cancel_key(job.response_id))
+
+
+async def _kept(store: Store | None, keep: list[dict] | None, response: dict) -> dict:
     """`response`, stored first with the items it answered where `keep` has them."""
     if keep is not None:
         await store.put(Stored(response, keep))
@@ -104,7 +132,7 @@ def _shell(job: Job, body: ResponsesRequest, status: str, output: list, usage=No
             "temperature": body.temperature, "top_p": body.top_p,
             "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
             "text": body.text or {"format": {"type": "text"}}, "usage": usage,
-            "metadata": body.metadata or {}, "store": stored,
+            "metadata": body.metadata or {}, "store": stored, "background": bool(body.background),
             "previous_response_id": body.previous_response_id,
             "service_tier": job.service_tier}
 
@@ -228,8 +256,8 @@ class _Items:
 
 
 async def _events(job: Job, body: ResponsesRequest, events: AsyncIterator[Event],
-                  tokenizer: Tokenizer, store: Store, keep: list[dict] | None,
-                  ) -> AsyncIterator[dict]:
+                  tokenizer: Tokenizer, store: Store | None = None,
+                  keep: list[dict] | None = None) -> AsyncIterator[dict]:
     numbers = itertools.count()
 
     def event(kind: str, **fields) -> dict:

@@ -22,6 +22,7 @@ ITEM_KINDS = {"message": "msg", "function_call": "fc", "function_call_output": "
 class Stored(msgspec.Struct):
     response: dict  # as GET /v1/responses/{id} gives it
     items: list[dict]  # its input: the conversation before its output, each with an id
+    owner: str | None = None  # the frontend running it, while a background one runs
 
 
 class Store:
@@ -43,6 +44,10 @@ class Store:
     async def put(self, stored: Stored) -> None:
         await self.redis.set(self.keys.response(stored.response["id"]),
                              msgspec.json.encode(stored), px=max(1, int(self.ttl_s * 1000)))
+
+    def cancel_key(self, response_id: str) -> str:
+        """Set while a cancel of a background response waits for its api."""
+        return self.keys.response(response_id) + ":cancel"
 
     async def delete(self, response_id: str) -> None:
         if not await self.redis.delete(self.keys.response(response_id)):

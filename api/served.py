@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import Request
 
 from api.frontend import Frontend
+from api.responses_background import Background
 from api.sampling import Limits
 from pipeline.config import ApiConfig
 from pipeline.errors import ConfigError, ModelNotFound
@@ -23,6 +24,7 @@ class Served:
     tokenizer: Tokenizer
     frontend: Frontend
     config: ApiConfig
+    background: Background = field(default_factory=Background)  # its background responses
 
     @property
     def model_name(self) -> str:

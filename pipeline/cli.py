@@ -41,7 +41,9 @@ Model = Annotated[str, _opt("MODEL", f"A local HF model directory, or {DEFAULT_M
 Host = Annotated[str, _opt("HOST", "Address the api listens on.")]
 Port = Annotated[int, _opt("PORT", "Port the api listens on.")]
 ApiKey = Annotated[str | None, _opt(
-    "API_KEY", "Require 'Authorization: Bearer KEY'; KEY,KEY,...: any of them (a rotation).")]
+    "API_KEY", "Require 'Authorization: Bearer KEY'; KEY,KEY,...: any of them (a rotation); "
+    "KEY:TIER: its requests run at that service tier (priority, default, flex) or a less "
+    "urgent one.")]
 ServedModelName = Annotated[str | None, _opt(
     "SERVED_MODEL_NAME", "The model's name in the API (/v1/models, responses, requests' "
     "model field) instead of --model's; NAME,ALIAS,...: the first is shown, any is taken.")]

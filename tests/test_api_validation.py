@@ -336,6 +336,34 @@ async def test_health_is_503_when_redis_goes_away(prefix, model_files):
         redis_server.stop()
 
 
+async def test_a_keys_tier_is_the_most_urgent_its_requests_run_at(redis_url, prefix,
+                                                                   model_files):
+    """--api-key KEY:TIER,...: a request asking for a more urgent tier than its key's
+    runs at its key's (its Submit goes down that lane), a less urgent one as asked; a
+    key naming no tier may ask for any. (No scheduler here: each ends in a 408.)"""
+    asks = [("k-flex", "priority"), ("k-flex", None), ("k-std", "priority"),
+            ("k-std", "flex"), ("k-any", "priority"), ("k-any", None)]
+    async with serving(redis_url, prefix, model_files, request_timeout_s=0.3,
+                       api_key="k-flex:flex,k-std:default,k-any") as client:
+        for key, tier in asks:
+            body = {"prompt": "hi", "max_tokens": 1} | ({"service_tier": tier} if tier else {})
+            response = await client.post("/v1/completions", json=body,
+                                         headers={"authorization": f"Bearer {key}"})
+            assert response.status_code == 408, response.text
+        generated = await client.post("/generate", json={"text": "hi"},
+                                      headers={"authorization": "Bearer k-flex"})
+        assert generated.status_code == 408
+    keys, store = Keys(prefix), aioredis.Redis.from_url(redis_url)
+    try:
+        lengths = {tier: await store.xlen(keys.lane(tier))
+                   for tier in ("priority", "default", "flex")}
+    finally:
+        await store.aclose()
+    assert lengths == {"priority": 1, "default": 2, "flex": 4}
+    with pytest.raises(ConfigError, match="'gold' is no service tier"):
+        create_app(Config(api=ApiConfig(api_key="k:gold")), model_files)
+
+
 async def test_health_generate_is_503_when_no_scheduler_answers(redis_url, prefix, model_files):
     """No scheduler here: the probe's token never comes, so by the api's request
     timeout (shorter than the probe's own 20 s) it is a 503 saying so."""

@@ -6,6 +6,8 @@ continued (on another api), fetched, listed and deleted; and what it refuses, ea
 from __future__ import annotations
 
 import json
+import signal
+import time
 
 import openai
 import pytest
@@ -175,3 +177,54 @@ async def test_with_no_storing_a_continuation_is_a_400_saying_so(redis_url, pref
     error = assert_openai_error(response, 400, param="previous_response_id")
     assert "--response-ttl-s 0" in error["message"]
     assert_openai_error(missing, 404, "not_found")
+
+
+def _polled(client, response_id: str, timeout_s: float = 120.0):
+    """The response once it has ended (or the last seen, past `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    response = client.responses.retrieve(response_id)
+    while response.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.1)
+        response = client.responses.retrieve(response_id)
+    return response
+
+
+def test_a_background_response_runs_on_to_be_polled_or_cancelled(client):
+    """background: queued at once, then found as it ended, the foreground reply; a long
+    one cancelled mid-way (its generation stopped); only a background one may be."""
+    ask = {"model": MODEL, "temperature": 0, "max_output_tokens": 12, "input": "Name a color."}
+    foreground = client.responses.create(**ask)
+    queued = client.responses.create(**ask, background=True)
+    assert (queued.status, queued.background, queued.output) == ("queued", True, [])
+    done = _polled(client, queued.id)
+    assert (done.status, done.output_text) == (foreground.status, foreground.output_text)
+    assert client.responses.cancel(done.id).status == done.status  # ended: as it was
+    long = client.responses.create(model=MODEL, input="Tell a long story.", background=True,
+                                   max_output_tokens=4000, extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + 60
+    while client.responses.retrieve(long.id).status != "in_progress":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with pytest.raises(openai.BadRequestError):  # not ended yet: nothing to continue
+        client.responses.create(**ask, previous_response_id=long.id)
+    started = time.monotonic()
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and time.monotonic() - started < 5
+    assert _polled(client, long.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(foreground.id)
+    for refused in ({"stream": True}, {"store": False}):
+        with pytest.raises(openai.BadRequestError):
+            client.responses.create(**ask, background=True, **refused)
+
+
+def test_a_background_response_whose_api_died_is_failed(client, tier):
+    with tier.extra_api() as (url, proc):
+        other = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
+        long = other.responses.create(model=MODEL, input="Tell a long story.",
+                                      background=True, max_output_tokens=4000,
+                                      extra_body={"ignore_eos": True})
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    ended = _polled(client, long.id, timeout_s=60)  # its liveness key expires first
+    assert ended.status == "failed" and "stopped" in ended.error.message

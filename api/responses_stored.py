@@ -1,0 +1,50 @@
+# The routes of stored responses (api/responses_store.py): GET /v1/responses/{id}, its
+# input_items, DELETE, and POST .../cancel for a background one (api/responses_background.py).
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Query
+
+from api.responses_background import as_now, cancel
+from api.responses_store import Store, page
+from api.served import Served, served
+from pipeline.errors import InvalidRequest
+
+router = APIRouter()
+ServedDep = Annotated[Served, Depends(served)]
+
+
+def store_of(s: Served) -> Store:
+    return Store(s.frontend.client.redis, s.frontend.keys, s.config.response_ttl_s)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, s: ServedDep):
+    store = store_of(s)
+    return (await as_now(store, await store.get(response_id))).response
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, s: ServedDep):
+    await store_of(s).delete(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, s: ServedDep,
+                           limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                           order: Literal["asc", "desc"] = "desc", after: str | None = None):
+    """The items the response answered (those it continued included), `order`
+    desc (the latest first) by default, as OpenAI pages them."""
+    return page((await store_of(s).get(response_id)).items, limit, order, after)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, s: ServedDep):
+    """A background response, stopped where it is (`cancelled`), or as it ended."""
+    store = store_of(s)
+    if not (await store.get(response_id)).response.get("background"):
+        raise InvalidRequest("only a background response can be cancelled")
+    return await cancel(store, response_id)
