@@ -18,6 +18,7 @@ from api.streaming import cancel_and_wait
 
 CANCEL_POLL_S = 0.5  # how often a running background response looks for its cancel
 UNFINISHED = ("queued", "in_progress")
+STOP_WAIT_S = 2.0  # for a cancelled background response to record its failure
 
 
 class Background:
@@ -32,9 +33,15 @@ class Background:
         task.add_done_callback(self.tasks.discard)
 
     async def stop(self, timeout_s: float) -> None:
-        """Waits for them `timeout_s` at most, then cancels the rest."""
+        """Waits for them `timeout_s` at most, then cancels the rest: once, so that
+        each records its failure (a second cancel could cut that write), then again
+        until they are gone."""
         if self.tasks:
             await asyncio.wait(set(self.tasks), timeout=timeout_s)
+        for task in self.tasks:
+            task.cancel()
+        if self.tasks:
+            await asyncio.wait(set(self.tasks), timeout=STOP_WAIT_S)
         await cancel_and_wait(list(self.tasks))
 
 

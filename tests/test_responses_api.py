@@ -228,3 +228,19 @@ def test_a_background_response_whose_api_died_is_failed(client, tier):
         proc.wait()
     ended = _polled(client, long.id, timeout_s=60)  # its liveness key expires first
     assert ended.status == "failed" and "stopped" in ended.error.message
+
+
+def test_a_draining_api_records_the_background_responses_it_could_not_end(client, tier):
+    """SIGTERM: the api lets its background responses run for its drain time (1 s here),
+    then stops the rest, each recorded as failed at once (no liveness TTL waited for)."""
+    with tier.extra_api(**{"drain-timeout-s": 1}) as (url, proc):
+        other = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
+        long = other.responses.create(model=MODEL, input="Tell a long story.",
+                                      background=True, max_output_tokens=4000,
+                                      extra_body={"ignore_eos": True})
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    # the record itself says so (a reader would also infer it from the api's absence)
+    stored = redis.Redis.from_url(tier.redis_url).get(Keys(tier.prefix).response(long.id))
+    ended = json.loads(stored)["response"]
+    assert ended["status"] == "failed" and "stopped" in ended["error"]["message"]
