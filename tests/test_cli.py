@@ -72,7 +72,8 @@ def test_status_counts_each_service_tiers_queue(tier):
 
 def test_serve_hands_its_api_options_to_the_workers_it_starts():
     options = {"allowed_origins": "https://a.example, *", "served_model_name": "a,b",
-               "api_key": "k1,k2", "access_log": True, "grammar_timeout_s": 2.5}
+               "api_key": "k1,k2:flex", "access_log": True, "grammar_timeout_s": 2.5,
+               "response_ttl_s": 60.0}
     config = build_config(redis_url="", prefix="p", model="m", host="h", port=1,
                           max_running_requests=None, max_batch_tokens=None, kv_cache_mb=None,
                           dtype="auto", quantization="auto", activations="auto", device="cpu",
@@ -81,9 +82,10 @@ def test_serve_hands_its_api_options_to_the_workers_it_starts():
     assert config.api.allowed_origins == ("https://a.example", "*")
     env = child_env(config, "redis://r", "info", 1, "text")
     assert env["PIPELINE_ALLOWED_ORIGINS"] == "https://a.example,*"
-    assert env["PIPELINE_SERVED_MODEL_NAME"] == "a,b" and env["PIPELINE_API_KEY"] == "k1,k2"
+    assert env["PIPELINE_SERVED_MODEL_NAME"] == "a,b" and env["PIPELINE_API_KEY"] == "k1,k2:flex"
     assert env["PIPELINE_ACCESS_LOG"] == "true"
     assert config.scheduler.grammar_timeout_s == 2.5 and env["PIPELINE_GRAMMAR_TIMEOUT"] == "2.5"
+    assert config.api.response_ttl_s == 60.0 and env["PIPELINE_RESPONSE_TTL_S"] == "60.0"
 
 
 def test_bad_settings_are_one_line_and_exit_2_not_a_traceback(tmp_path):
