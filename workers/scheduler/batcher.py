@@ -127,9 +127,11 @@ class Batcher:
         reserved = 0  # slots made for earlier ones, taken by them this step or the next
         for seq in list(self.waiting):
             victims = [running for running in self.running if running.rank > seq.rank]
+            if not victims:  # (one tier alone: every step ends here, its prompt unhashed)
+                return
             found = [] if seq.collects_prompt else self.allocator.cached_prefix(seq.token_ids)
-            if not victims or not self.allocator.can_allocate(
-                    seq.token_ids, found, [victim.request_id for victim in victims]):
+            if not self.allocator.can_allocate(seq.token_ids, found,
+                                               [victim.request_id for victim in victims]):
                 return  # the head of the queue waits, and so does everyone behind it
             while victims and (len(self.running) + reserved >= self.max_running_requests
                                or not self.allocator.can_allocate(seq.token_ids, found)):
