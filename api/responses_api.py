@@ -22,12 +22,12 @@ from api.errors import as_pipeline_error
 from api.openai_routes import chat_job, job_events
 from api.protocol import ResponsesRequest
 from api.responses import Job
-from api.responses_background import UNFINISHED, failed, unless_cancelled
+from api.responses_background import UNFINISHED, cancel_asked, failed, stopped
 from api.responses_input import input_items, responses_param, to_chat
 from api.responses_store import Store, Stored, history, with_ids
 from api.responses_stored import store_of
 from api.served import Served, served
-from api.streaming import Choice, Event, EventStream, collect, started
+from api.streaming import Choice, Event, EventStream, collect, collect_until, started
 from api.tools import OutputReader
 from pipeline.errors import InvalidRequest, PipelineError
 from pipeline.tokenizer import Tokenizer
@@ -92,25 +92,19 @@ async def _run_in_background(job: Job, body: ResponsesRequest, store: Store, sto
                              s: Served) -> None:
     """Its generation, its record updated at its start and at its end: completed or
     incomplete, failed with its error, or cancelled."""
-    choice, ended = Choice(), stored.response | {"status": "cancelled"}
-
-    async def fill() -> None:
-        async with aclosing(job_events(job, False, s)) as events:
-            async for _index, delta in events:
-                choice.add(delta)
-
     try:
         await store.put(Stored(stored.response | {"status": "in_progress"}, stored.items,
                                stored.owner))
-        if await unless_cancelled(fill(), store, job.response_id):
-            ended = _finished(job, body, choice, s.tokenizer, stored=True)
+        [choice] = await collect_until(job_events(job, False, s), 1,
+                                       cancel_asked(store, job.response_id), "cancelled")
+        ended = _finished(job, body, choice, s.tokenizer, stored=True)
     except asyncio.CancelledError:  # the api is stopping
-        await store.put(Stored(failed(stored.response, "server_error", "the api running "
-                                      "this response stopped before it ended"), stored.items))
+        await store.put(Stored(stopped(stored.response), stored.items))
         raise
     except Exception as error:  # PipelineErrors as they are; anything else is a bug
         error = as_pipeline_error(error)
-        ended = failed(stored.response, error.code, error.detail)
+        ended = (stored.response | {"status": "cancelled"} if error.code == "cancelled"
+                 else failed(stored.response, error.code, error.detail))
     await store.put(Stored(ended, stored.items))
     await store.redis.delete(store.cancel_key(job.response_id))
 

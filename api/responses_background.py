@@ -45,21 +45,8 @@ class Background:
         await cancel_and_wait(list(self.tasks))
 
 
-async def unless_cancelled(work: Coroutine, store: Store, response_id: str) -> bool:
-    """Runs `work` to its end (True), or until a cancel of `response_id` comes (False)."""
-    running = asyncio.ensure_future(work)
-    watching = asyncio.ensure_future(_cancel_asked(store, response_id))
-    try:
-        await asyncio.wait({running, watching}, return_when=asyncio.FIRST_COMPLETED)
-        if running.done():
-            running.result()  # its error, if any
-            return True
-        return False
-    finally:
-        await cancel_and_wait([running, watching])
-
-
-async def _cancel_asked(store: Store, response_id: str) -> None:
+async def cancel_asked(store: Store, response_id: str) -> None:
+    """Returns once a cancel of `response_id` has been asked (POST .../cancel)."""
     while not await store.redis.exists(store.cancel_key(response_id)):
         await asyncio.sleep(CANCEL_POLL_S)
 
@@ -70,12 +57,17 @@ async def as_now(store: Store, stored: Stored) -> Stored:
         return stored
     if await store.redis.exists(store.keys.alive("api", stored.owner)):
         return stored
-    return Stored(failed(stored.response, "server_error", "the api running this response "
-                         "stopped before it ended"), stored.items)
+    return Stored(stopped(stored.response), stored.items)
 
 
 def failed(response: dict, code: str, message: str) -> dict:
     return response | {"status": "failed", "error": {"code": code, "message": message}}
+
+
+def stopped(response: dict) -> dict:
+    """`response` failed because the api running it stopped (or died) first."""
+    return failed(response, "server_error", "the api running this response stopped "
+                  "before it ended")
 
 
 async def cancel(store: Store, response_id: str, wait_s: float = 5.0) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -117,6 +117,13 @@ async def started(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
 
 async def collect(request: Request, events: AsyncIterator[Event], n: int) -> list[Choice]:
     """All choices, whole; stops the work (and so cancels it) if the client goes away."""
+    return await collect_until(events, n, _disconnected(request), "the client disconnected")
+
+
+async def collect_until(events: AsyncIterator[Event], n: int, stop: Coroutine,
+                        why: str) -> list[Choice]:
+    """All choices, whole, unless `stop` ends first: then the work is stopped (and so
+    cancelled) and a `cancelled` error says `why`."""
     choices = [Choice() for _ in range(n)]
 
     async def fill() -> None:
@@ -125,11 +132,11 @@ async def collect(request: Request, events: AsyncIterator[Event], n: int) -> lis
                 choices[index].add(delta)
 
     work = asyncio.ensure_future(fill())
-    watch = asyncio.ensure_future(_disconnected(request))
+    watch = asyncio.ensure_future(stop)
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
-            raise error_from_code("cancelled", "the client disconnected")
+            raise error_from_code("cancelled", why)
         work.result()
         return choices
     finally:

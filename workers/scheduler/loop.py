@@ -106,7 +106,7 @@ class Scheduler:
         room = [] if self.draining.is_set() else self.engine.can_admit()
         if not self.engine.has_work():  # idle: wait for work, nothing to overlap
             control, requests = await self.exchange(room)
-            if max(room, default=0) > 0 and not requests and not self.compiling:
+            if any(room) and not requests and not self.compiling:
                 requests = await self.lanes.wait_for_new(self.reader)
             await self.take(control, requests)
             if self.compiling and not requests:  # wait for a compile, a while at most
@@ -177,8 +177,8 @@ class Scheduler:
         more urgent lane may have room where the engine is full). One
         MULTI/EXEC: an entry is acked only with the tokens it waited for (a
         crash before they are on TOKENS must redeliver it; a write Redis
-        refuses, out of memory, aborts it all). A batch stays queued until Redis took it (a lost
-        reply means a duplicate the frontend drops)."""
+        refuses, out of memory, aborts it all). A batch stays queued until
+        Redis took it (a lost reply means a duplicate the frontend drops)."""
         if self.failures:
             failures, self.failures = self.failures, []
             self.unsent.append(TokenBatch(self.worker_id, [], failures))
@@ -186,7 +186,7 @@ class Scheduler:
         commands = [xadd(self.keys.tokens, batch) for batch in self.unsent]
         commands += (ack_commands := self.lanes.acks(acks))
         commands.append(("XREAD", "COUNT", 512, "STREAMS", self.keys.control, self.control_id))
-        pulls = bool(room) and max(room) > 0
+        pulls = any(room or ())
         if pulls:
             commands.append(self.lanes.pull(room))
         replies, _ = await self.client.transaction(commands)
