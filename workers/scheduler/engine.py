@@ -224,13 +224,6 @@ class Engine:
                 return True
         return self.batcher.abort(request_id) is not None
 
-    def share_thread(self) -> None:
-        """Let the calling thread step this engine, loaded on another (the
-        scheduler's loop): torch.set_num_threads holds for the thread that
-        called it only."""
-        if self.config.num_threads:
-            torch.set_num_threads(self.config.num_threads)
-
     def has_work(self) -> bool:
         return bool(self.batcher.running or self.batcher.waiting or self.done_on_arrival)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 import msgspec
@@ -48,18 +48,16 @@ from workers.text import find_stop, stop_window
 log = logging.getLogger("pipeline.scheduler")
 MAX_DEATHS = 3  # a request whose scheduler dies this many times is poison (drains aside)
 ADMITTED_TTL_S = 30  # retried XADDs arrive within seconds; the keys must not pile up
-COMPILE_WAIT_S = 0.05  # an idle scheduler's wait for a grammar compile, at most
-# steps this long on average (STEP_EMA) are followed by their round trip, not
-# overlapped by it: a round trip (~0.3 ms) for a step sooner to what arrived
-LONG_STEP_S = 0.02
+PULL_EVERY_S = 0.01  # a step's reads of new requests, this far apart at least
 STEP_EMA = 0.2  # weight of the last step in the average step time
 
 
 class Scheduler:
     def __init__(self, config: Config, engine: Engine, tokenizer: Tokenizer,
-                 draining: asyncio.Event | None = None):
+                 engine_thread: ThreadPoolExecutor, draining: asyncio.Event | None = None):
         self.config = config
         self.engine = engine
+        self.engine_thread = engine_thread
         self.tokenizer = tokenizer
         self.keys = Keys(config.redis.prefix)
         self.worker_id = config.scheduler.scheduler_id or new_worker_id("scheduler")
@@ -95,20 +93,15 @@ class Scheduler:
                     await self.turn_back(lane, entry)
 
     async def step(self) -> None:
-        """One engine step, on this thread (the event loop waits for it: no
-        thread to wake at its start and none at its end, which took 0.48 and
-        0.12 ms p50 of a 4.6 ms token served at concurrency 1, AMD Zen 5), and
-        this scheduler's Redis traffic in one round trip: the last steps' tokens
-        go out and new entries are read (they join the engine between steps,
-        where it is safe to touch). A short step runs inside the round trip
-        (sent before it, read after), so what arrives during it joins a step
-        later; a long one is followed by it, with the room the step left, so
-        that what arrived meanwhile joins the next step."""
+        """One engine step, with this scheduler's Redis traffic done while it
+        runs, in one round trip: the last step's tokens go out and new entries
+        are read (they join the engine between steps, where it is safe to touch)."""
         if self.draining.is_set() and await self.drain():
             return
         if time.monotonic() >= self.next_upkeep:
             await self.upkeep()
         self.admit_compiled()
+        # asked before the step: the engine is its thread's then
         # by lane: a full engine may still take a more urgent tier's requests
         room = [] if self.draining.is_set() else self.engine.can_admit()
         if not self.engine.has_work():  # idle: wait for work, nothing to overlap
@@ -117,20 +110,18 @@ class Scheduler:
                 requests = await self.lanes.wait_for_new(self.reader)
             await self.take(control, requests)
             if self.compiling and not requests:  # wait for a compile, a while at most
-                await self.compiling.wait(COMPILE_WAIT_S)
+                await self.compiling.wait(PULL_EVERY_S * 5)
             return
-        if self.step_s < LONG_STEP_S:
-            control, requests = await self.exchange(room, meanwhile=self.step_here)
-        else:
-            self.step_here()
-            room = [] if self.draining.is_set() else self.engine.can_admit()
-            control, requests = await self.exchange(room)
-        await self.take(control, requests)
-
-    def step_here(self) -> None:
         launched = time.perf_counter()
-        self.emit(self.engine.step())
-        self.step_s += STEP_EMA * (time.perf_counter() - launched - self.step_s)
+        running = asyncio.get_running_loop().run_in_executor(self.engine_thread,
+                                                             self.engine.step)
+        try:
+            control, requests = await self.exchange(room)
+            requests += await self.pull_while(running, self.lanes.left(room, requests))
+        finally:  # never leave the engine running into the next call
+            self.emit(await running)
+            self.step_s += STEP_EMA * (time.perf_counter() - launched - self.step_s)
+        await self.take(control, requests)
 
     async def drain(self) -> bool:
         """Draining (SIGTERM): no new requests; the running ones go on until they
@@ -156,9 +147,29 @@ class Scheduler:
         self.drained = True
         return True
 
-    async def exchange(self, room: list[int] | None = None,
-                       meanwhile: Callable[[], None] | None = None
-                       ) -> tuple[list, list[Pulled]]:
+    async def pull_while(self, running: asyncio.Future, room: list[int]) -> list[Pulled]:
+        """Requests that arrive while the engine steps, pulled every half a
+        step (the recent steps' average, PULL_EVERY_S at least) up to `room`
+        (by lane, as `exchange`) while the engine has room of its own (for
+        every tier: a full one takes a more urgent tier's at the next step,
+        with no pulls between a full tier's steps), so that they join after
+        this step, not the next: one read at the step's start left an arrival
+        waiting 1.5 steps on average. Steps shorter than two such periods (a
+        few decodes) are left alone: there the wait costs more than it saves."""
+        taken: list[Pulled] = []
+        if self.step_s < 2 * PULL_EVERY_S:
+            return taken
+        every = self.step_s / 2
+        while room and room[-1] > 0:
+            done, _ = await asyncio.wait({running}, timeout=every)
+            if done:
+                break
+            _, read = await self.client.transaction([], then=self.lanes.pull(room))
+            taken += (pulled := self.lanes.pulled(read))
+            room = self.lanes.left(room, pulled)
+        return taken
+
+    async def exchange(self, room: list[int] | None = None) -> tuple[list, list[Pulled]]:
         """One round trip, in one write (StreamClient.transaction, past
         redis-py's per-command work): what earlier steps produced and
         failures since, oldest first; acks; control entries; without
@@ -178,7 +189,7 @@ class Scheduler:
         pulls = any(room or ())
         if pulls:
             commands.append(self.lanes.pull(room))
-        replies, _ = await self.client.transaction(commands, meanwhile=meanwhile)
+        replies, _ = await self.client.transaction(commands)
         del self.unsent[:sending]
         self.to_ack = self.to_ack[len(acks):]
         reads = replies[sending + len(ack_commands):]

@@ -1,5 +1,5 @@
-"""The scheduler role's process: its engine, joined to the tier, stepping until
-cancelled or drained (SIGTERM, pipeline.roles), then gone."""
+"""The scheduler role's process: its engine on a thread of its own, joined to the
+tier, stepping until cancelled or drained (SIGTERM, pipeline.roles), then gone."""
 
 from __future__ import annotations
 
@@ -21,15 +21,12 @@ log = logging.getLogger("pipeline.scheduler")
 
 async def run(config: Config, model: ModelFiles, draining: asyncio.Event | None = None) -> None:
     """The scheduler until cancelled, or until `draining` is set and its drain is done."""
-    # loaded on a thread that then ends (the loop answers signals meanwhile), its
-    # OpenMP threads with it: the steps run on this one (Scheduler.step), and a
-    # second pool of them made libgomp sleep at every barrier where it spun (more
-    # threads than cores: a 1-row step took 1.5x the time)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="load") as loading:
-        engine = await asyncio.get_running_loop().run_in_executor(
-            loading, Engine, model.path, config.scheduler)
-    engine.share_thread()
-    scheduler = Scheduler(config, engine, Tokenizer(model.path), draining)
+    # one thread runs the engine, always the same: torch.set_num_threads holds
+    # for the thread that called it only (a fresh thread gets every core)
+    engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+    engine = await asyncio.get_running_loop().run_in_executor(
+        engine_thread, Engine, model.path, config.scheduler)
+    scheduler = Scheduler(config, engine, Tokenizer(model.path), engine_thread, draining)
     await retrying(scheduler.join, "scheduler join")
     log.info("scheduler %s pulling %s", scheduler.worker_id, ", ".join(scheduler.lanes.streams))
     beat = asyncio.create_task(heartbeat_forever(
