@@ -284,8 +284,12 @@ class StreamClient:
         return group_entries(reply)
 
     async def read(self, streams: dict[str, str], *, count: int, wait: bool = True):
-        """Plain XREAD over several streams: [(stream, [entries])]."""
-        reply = await self.redis.xread(streams, count=count, block=self.block_ms if wait else None)
+        """Plain XREAD over several streams: [(stream, [entries])]; sent as
+        `transaction` sends, past redis-py's per-command work (an api reads
+        once a step of each of its streams)."""
+        block = ("BLOCK", self.block_ms) if wait else ()
+        _, reply = await self.transaction([], then=("XREAD", "COUNT", count, *block, "STREAMS",
+                                                    *streams, *streams.values()))
         return read_entries(reply)
 
     async def last_id(self, stream: str) -> str:
