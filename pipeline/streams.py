@@ -14,13 +14,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as redis
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipeline.messages import FIELD, encode
 
@@ -258,7 +261,12 @@ class StreamClient:
         connection = await pool.get_connection()
         try:
             await connection.send_packed_command(resp(wire))
-            replies = [await connection.read_response() for _ in wire]
+            # one timeout for them all, not redis-py's one a reply (~6 us each)
+            async with asyncio.timeout(connection.socket_timeout):
+                replies = [await connection.read_response(timeout=math.inf) for _ in wire]
+        except TimeoutError as error:  # asyncio's: Redis stopped answering
+            await connection.disconnect()
+            raise RedisTimeoutError(f"no reply within {connection.socket_timeout} s") from error
         except BaseException:
             await connection.disconnect()
             raise

@@ -10,6 +10,7 @@ import time
 import pytest
 import redis
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipeline.embedded_redis import EmbeddedRedis
 from pipeline.messages import FIELD, Cancel, Delta, ReplyBatch, replies_decoder
@@ -135,3 +136,27 @@ def test_a_tier_older_than_the_index_is_still_found(redis_url, prefix):
 def _calls(url: str, command: str) -> int:
     stats = redis.Redis.from_url(url).info("commandstats")
     return stats.get(f"cmdstat_{command}", {}).get("calls", 0)
+
+
+async def test_a_redis_that_stops_answering_is_a_timeout_not_a_hang():
+    """Writes paused (CLIENT PAUSE WRITE) past the socket timeout: the transaction
+    raises redis' TimeoutError, which every role takes for Redis being down, and
+    drops the connection; the next one works once Redis answers again."""
+    server = EmbeddedRedis()
+    url = server.start()
+    client, admin = StreamClient(url, block_ms=50), redis.Redis.from_url(url)
+    try:
+        await client.transaction([("SET", "k", "1")])
+        timeout_s = client.redis.connection_pool.connection_kwargs["socket_timeout"]
+        admin.execute_command("CLIENT", "PAUSE", int(timeout_s * 1000) + 3000, "WRITE")
+        started = time.monotonic()
+        with pytest.raises(RedisTimeoutError):
+            await client.transaction([("SET", "k", "2")], then=("GET", "k"))
+        assert timeout_s <= time.monotonic() - started < timeout_s + 2
+        admin.execute_command("CLIENT", "UNPAUSE")
+        _, value = await client.transaction([("SET", "k", "3")], then=("GET", "k"))
+        assert value == b"3"
+    finally:
+        await client.close()
+        admin.close()
+        server.stop()
