@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from api import native_routes, openai_routes, responses_api, responses_stored, tokenize_routes
 from api.errors import error_response, install_handlers
 from api.frontend import Frontend
-from api.keys import TIER_LIMIT, ApiKeys
+from api.keys import KEY_ID, TIER_LIMIT, ApiKeys
 from api.metrics import Metrics
 from api.sampling import Limits
 from api.served import Served, context_len
@@ -140,7 +140,9 @@ class RequestGuard:
     def _check_key(self, scope: Scope) -> None:
         if not self.keys or scope["path"] in OPEN_PATHS:
             return
-        TIER_LIMIT.set(self.keys.check(dict(scope["headers"]).get(b"authorization", b"")))
+        limit, key_id = self.keys.check(dict(scope["headers"]).get(b"authorization", b""))
+        TIER_LIMIT.set(limit)
+        KEY_ID.set(key_id)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
         limit = self.config.max_body_bytes

@@ -2,10 +2,12 @@
 # that a key is rotated without a moment refusing both), each with the most urgent service
 # tier its requests may run at. A request asking for a more urgent tier than its key's runs
 # at its key's, as OpenAI runs a project's request for a tier it lacks, and the response
-# names the tier used. A key naming no tier may ask for any.
+# names the tier used. A key naming no tier may ask for any. Stored responses are scoped
+# to the key that stored them (KEY_ID): another key does not find them.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from contextvars import ContextVar
 
@@ -15,6 +17,8 @@ from pipeline.streams import TIERS
 # the most urgent tier the request's key allows (None: any); set by the api's guard in the
 # request's own task, read where its tier is chosen
 TIER_LIMIT: ContextVar[str | None] = ContextVar("tier_limit", default=None)
+# the request's key, as a digest (never the key itself); None where the api takes any request
+KEY_ID: ContextVar[str | None] = ContextVar("key_id", default=None)
 
 
 class ApiKeys:
@@ -31,13 +35,15 @@ class ApiKeys:
     def __bool__(self) -> bool:
         return bool(self.keys)
 
-    def check(self, authorization: bytes) -> str | None:
-        """The tier limit of the key `authorization` carries; Unauthorized if none."""
+    def check(self, authorization: bytes) -> tuple[str | None, str]:
+        """The tier limit of the key `authorization` carries, and the key's digest
+        (KEY_ID); Unauthorized if none."""
         # every key compared, so the time taken does not say which one came near
         matched = [hmac.compare_digest(authorization, key) for key, _ in self.keys]
         if not any(matched):
             raise Unauthorized("a valid API key is required: Authorization: Bearer <key>")
-        return self.keys[matched.index(True)][1]
+        key, limit = self.keys[matched.index(True)]
+        return limit, hashlib.sha256(key).hexdigest()[:32]
 
 
 def service_tier(requested: str | None) -> str:

@@ -4,6 +4,8 @@
 # so that `previous_response_id` continues that conversation on any api of the tier, and
 # GET /v1/responses/{id}, its input_items and DELETE find it. One key a response, written
 # once; a continuation copies the items it builds on, so an expiry never breaks a chain.
+# Under --api-key each response belongs to the key that stored it: to any other key
+# (a rotated one included) it is not found, as an unknown id is.
 
 from __future__ import annotations
 
@@ -23,18 +25,22 @@ class Stored(msgspec.Struct):
     response: dict  # as GET /v1/responses/{id} gives it
     items: list[dict]  # its input: the conversation before its output, each with an id
     owner: str | None = None  # the frontend running it, while a background one runs
+    key: str | None = None  # the digest of the API key that stored it (keys.KEY_ID)
 
 
 class Store:
-    def __init__(self, redis: Redis, keys: Keys, ttl_s: float):
-        self.redis, self.keys, self.ttl_s = redis, keys, ttl_s
+    """The stored responses one API key (`key`, a digest; None: the api takes any
+    request) sees and writes."""
+
+    def __init__(self, redis: Redis, keys: Keys, ttl_s: float, key: str | None):
+        self.redis, self.keys, self.ttl_s, self.key = redis, keys, ttl_s, key
 
     async def get(self, response_id: str, param: str | None = None) -> Stored:
         """The stored response; NotFound (404), or with `param` an InvalidRequest
         naming it (400, as OpenAI answers an unknown previous_response_id)."""
         raw = await self.redis.get(self.keys.response(response_id))
-        if raw is not None:
-            return msgspec.json.decode(raw, type=Stored)
+        if raw is not None and (stored := msgspec.json.decode(raw, type=Stored)).key == self.key:
+            return stored
         detail = f"no stored response has the id {response_id!r}: it was never stored, " \
                  "has expired or was deleted"
         if param is not None:
@@ -43,15 +49,17 @@ class Store:
 
     async def put(self, stored: Stored) -> None:
         await self.redis.set(self.keys.response(stored.response["id"]),
-                             msgspec.json.encode(stored), px=max(1, int(self.ttl_s * 1000)))
+                             msgspec.json.encode(msgspec.structs.replace(stored, key=self.key)),
+                             px=max(1, int(self.ttl_s * 1000)))
 
     def cancel_key(self, response_id: str) -> str:
         """Set while a cancel of a background response waits for its api."""
         return self.keys.response(response_id) + ":cancel"
 
     async def delete(self, response_id: str) -> None:
+        await self.get(response_id)  # its NotFound, another key's included
         if not await self.redis.delete(self.keys.response(response_id)):
-            await self.get(response_id)  # its NotFound
+            await self.get(response_id)  # deleted meanwhile
 
 
 def history(previous: Stored | None) -> list[dict]:

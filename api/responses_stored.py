@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Query
 
+from api.keys import KEY_ID
 from api.responses_background import as_now, cancel
 from api.responses_store import Store, page
 from api.served import Served, served
@@ -17,7 +18,8 @@ ServedDep = Annotated[Served, Depends(served)]
 
 
 def store_of(s: Served) -> Store:
-    return Store(s.frontend.client.redis, s.frontend.keys, s.config.response_ttl_s)
+    return Store(s.frontend.client.redis, s.frontend.keys, s.config.response_ttl_s,
+                 KEY_ID.get())
 
 
 @router.get("/v1/responses/{response_id}")

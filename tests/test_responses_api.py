@@ -159,6 +159,30 @@ def test_a_stored_response_is_continued_on_any_api_fetched_listed_and_deleted(cl
         client.responses.retrieve(whole.id)  # store: false
 
 
+def test_a_stored_response_belongs_to_the_api_key_that_stored_it(tier):
+    """Under --api-key another key finds none of a key's stored responses, as if
+    their ids were unknown: not to fetch, list, cancel, delete or continue; the key
+    that stored one does."""
+    with tier.extra_api(**{"api-key": "k-a,k-b"}) as (url, _proc):
+        a, b = (openai.OpenAI(base_url=f"{url}/v1", api_key=key, timeout=120)
+                for key in ("k-a", "k-b"))
+        mine = a.responses.create(model=MODEL, temperature=0, max_output_tokens=4, input="Hi")
+        for look in (b.responses.retrieve, b.responses.input_items.list, b.responses.cancel,
+                     b.responses.delete):
+            with pytest.raises(openai.NotFoundError):
+                look(mine.id)
+        with pytest.raises(openai.BadRequestError) as refused:
+            b.responses.create(model=MODEL, previous_response_id=mine.id, input="Hi")
+        assert refused.value.body["param"] == "previous_response_id"
+        assert a.responses.retrieve(mine.id).output_text == mine.output_text
+        then = a.responses.create(model=MODEL, temperature=0, max_output_tokens=4,
+                                  previous_response_id=mine.id, input="And?")
+        assert a.responses.input_items.list(then.id).data
+        a.responses.delete(mine.id)
+        with pytest.raises(openai.NotFoundError):
+            a.responses.retrieve(mine.id)
+
+
 def test_a_streamed_response_is_stored_as_its_last_event_shows_it(client):
     events = list(client.responses.create(model=MODEL, temperature=0, max_output_tokens=8,
                                           input="Name a fruit.", stream=True))
