@@ -14,7 +14,8 @@ import pytest
 from api.protocol import ResponsesRequest
 from api.reasoning import ThoughtReader, reasoning_start
 from api.responses import Job, stream_chunks, whole_response
-from api.responses_api import _events, _finished
+from api.responses_api import _events
+from api.responses_output import finished
 from api.streaming import Choice
 from api.tools import ToolCalls
 from pipeline.messages import Delta, Sampling
@@ -105,7 +106,7 @@ def test_a_response_puts_the_thought_in_a_reasoning_item(model_files):
     job = _job(reasoning="before")
     body = ResponsesRequest(input="Name a color.")
     choice = Choice(text=THOUGHT, finish="stop", token_ids=tokenizer.encode(THOUGHT))
-    whole = _finished(job, body, choice, tokenizer)
+    whole = finished(job, body, choice, tokenizer)
     thought_tokens = whole["usage"]["output_tokens_details"]["reasoning_tokens"]
     assert 0 < thought_tokens < whole["usage"]["output_tokens"]
     assert [item["type"] for item in whole["output"]] == ["reasoning", "message"]
