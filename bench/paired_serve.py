@@ -1,7 +1,7 @@
-"""Served output tok/s (and ITL p50) of this checkout against another commit, paired: each pair
-starts `pipeline serve` from one and then the other (the order alternating pair by
-pair; the commit from a temporary git worktree) and runs the same `pipeline bench`
-against each. The shared host's speed moves by 10-30% within minutes, so compare
+"""Served output tok/s and ITL p50 of this checkout against another commit, paired:
+each pair starts `pipeline serve` from one and then the other (the order alternating
+pair by pair; the commit from a temporary git worktree) and runs the same `pipeline
+bench` against each. The shared host's speed moves by 10-30% within minutes, so compare
 the pairs' ratios, not runs apart.
 Run: .venv/bin/python bench/paired_serve.py --base 9d5fd2f [--pairs 3]
      [--concurrency 64] [--num-requests 192]"""

@@ -294,7 +294,7 @@ class StreamClient:
     async def read(self, streams: dict[str, str], *, count: int, wait: bool = True):
         """Plain XREAD over several streams: [(stream, [entries])]; sent as
         `transaction` sends, past redis-py's per-command work (an api reads
-        once a step of each of its streams)."""
+        its reply stream once a step: at concurrency 1, once a token)."""
         block = ("BLOCK", self.block_ms) if wait else ()
         _, reply = await self.transaction([], then=("XREAD", "COUNT", count, *block, "STREAMS",
                                                     *streams, *streams.values()))
