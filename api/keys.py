@@ -23,14 +23,16 @@ KEY_ID: ContextVar[str | None] = ContextVar("key_id", default=None)
 
 class ApiKeys:
     def __init__(self, spec: str | None):
-        self.keys: list[tuple[bytes, str | None]] = []  # (the Authorization header, limit)
+        # (the Authorization header, its tier limit, its digest: KEY_ID)
+        self.keys: list[tuple[bytes, str | None, str]] = []
         for entry in (spec or "").split(","):
             key, _, tier = entry.partition(":")
             if tier and tier not in TIERS:
                 raise ConfigError(f"--api-key: {tier!r} is no service tier (KEY:TIER, TIER one "
                                   f"of {', '.join(TIERS)}; a key cannot hold ':')")
             if key:
-                self.keys.append((b"Bearer " + key.encode(), tier or None))
+                header = b"Bearer " + key.encode()
+                self.keys.append((header, tier or None, hashlib.sha256(header).hexdigest()[:32]))
 
     def __bool__(self) -> bool:
         return bool(self.keys)
@@ -39,11 +41,11 @@ class ApiKeys:
         """The tier limit of the key `authorization` carries, and the key's digest
         (KEY_ID); Unauthorized if none."""
         # every key compared, so the time taken does not say which one came near
-        matched = [hmac.compare_digest(authorization, key) for key, _ in self.keys]
+        matched = [hmac.compare_digest(authorization, key) for key, _, _ in self.keys]
         if not any(matched):
             raise Unauthorized("a valid API key is required: Authorization: Bearer <key>")
-        key, limit = self.keys[matched.index(True)]
-        return limit, hashlib.sha256(key).hexdigest()[:32]
+        _, limit, digest = self.keys[matched.index(True)]
+        return limit, digest
 
 
 def service_tier(requested: str | None) -> str:

@@ -264,11 +264,11 @@ class StreamClient:
             # one timeout for them all, not redis-py's one a reply (~6 us each)
             async with asyncio.timeout(connection.socket_timeout):
                 replies = [await connection.read_response(timeout=math.inf) for _ in wire]
-        except TimeoutError as error:  # asyncio's: Redis stopped answering
+        except BaseException as error:
             await connection.disconnect()
-            raise RedisTimeoutError(f"no reply within {connection.socket_timeout} s") from error
-        except BaseException:
-            await connection.disconnect()
+            if isinstance(error, TimeoutError):  # asyncio's: Redis stopped answering
+                raise RedisTimeoutError(f"no reply within {connection.socket_timeout} s") \
+                    from error
             raise
         finally:
             await pool.release(connection)
