@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Annotated
 
+import msgspec
 from fastapi import APIRouter, Depends, Request
 
 from api.errors import as_pipeline_error
@@ -22,12 +23,13 @@ from api.openai_routes import chat_job, job_events
 from api.protocol import ResponsesRequest
 from api.responses import Job
 from api.responses_background import UNFINISHED, cancel_asked, failed, stopped
+from api.responses_events import EventLog, as_is, follow
 from api.responses_input import input_items, responses_param, to_chat
 from api.responses_output import Items, finished, shell, sse
 from api.responses_store import Store, Stored, history, with_ids
 from api.responses_stored import store_of
 from api.served import Served, served
-from api.streaming import Choice, Event, EventStream, collect, collect_until, started
+from api.streaming import Choice, Event, EventStream, collect, collect_until, started, until
 from api.tools import OutputReader
 from pipeline.errors import InvalidRequest, PipelineError
 from pipeline.tokenizer import Tokenizer
@@ -73,59 +75,88 @@ async def _previous(body: ResponsesRequest, store: Store) -> Stored | None:
 
 
 async def _in_background(job: Job, body: ResponsesRequest, store: Store,
-                         keep: list[dict] | None, s: Served) -> dict:
-    """The response, queued; it runs on (api/responses_background.py)."""
-    if body.stream:
-        raise InvalidRequest("a background response is not streamed here: poll GET "
-                             "/v1/responses/{id}", param="stream")
+                         keep: list[dict] | None, s: Served):
+    """The response, queued, while it runs on (api/responses_background.py); streamed,
+    its events as its log in Redis gives them, as a resumed stream's come
+    (api/responses_events.py)."""
     if keep is None:
         raise InvalidRequest("a background response must be stored (store, and "
                              "--response-ttl-s above 0)", param="background")
     queued = shell(job, body, "queued", [], stored=True)
-    owner = s.frontend.frontend_id
-    await store.put(Stored(queued, keep, owner))
-    s.background.start(_run_in_background(job, body, store, Stored(queued, keep, owner), s))
+    stored = Stored(queued, keep, s.frontend.frontend_id, streamed=body.stream)
+    await store.put(stored)
+    s.background.start(_run_in_background(job, body, store, stored, s))
+    if body.stream:
+        return EventStream(follow(store, job.response_id), encode=as_is)
     return queued
 
 
 async def _run_in_background(job: Job, body: ResponsesRequest, store: Store, stored: Stored,
                              s: Served) -> None:
     """Its generation, its record updated at its start and at its end: completed or
-    incomplete, failed with its error, or cancelled."""
+    incomplete, failed with its error, or cancelled. Streamed, each event also goes to
+    its log, the last one included however it ends."""
+    log, ended = EventLog(store, job.response_id) if stored.streamed else None, None
     try:
-        await store.put(Stored(stored.response | {"status": "in_progress"}, stored.items,
-                               stored.owner))
-        [choice] = await collect_until(job_events(job, False, s), 1,
-                                       cancel_asked(store, job.response_id), "cancelled")
-        ended = finished(job, body, choice, s.tokenizer, stored=True)
+        running = stored.response | {"status": "in_progress"}
+        await store.put(msgspec.structs.replace(stored, response=running))
+        if log is None:
+            [choice] = await collect_until(job_events(job, False, s), 1,
+                                           cancel_asked(store, job.response_id), "cancelled")
+            ended = finished(job, body, choice, s.tokenizer, stored=True)
+        else:  # _events stores its end itself
+            await until(_logged(log, _events(job, body, job_events(job, True, s), s.tokenizer,
+                                             store, stored.items, streamed=True)),
+                        cancel_asked(store, job.response_id), "cancelled")
     except asyncio.CancelledError:  # the api is stopping
-        await store.put(Stored(stopped(stored.response), stored.items))
+        await _ended(store, stored, log, stopped(stored.response))
         raise
     except Exception as error:  # PipelineErrors as they are; anything else is a bug
         error = as_pipeline_error(error)
         ended = (stored.response | {"status": "cancelled"} if error.code == "cancelled"
                  else failed(stored.response, error.code, error.detail))
-    await store.put(Stored(ended, stored.items))
+    if ended is not None:
+        await _ended(store, stored, log, ended)
     await store.redis.delete(store.cancel_key(job.response_id))
 
 
-async def _kept(store: Store | None, keep: list[dict] | None, response: dict) -> dict:
+async def _ended(store: Store, stored: Stored, log: EventLog | None, response: dict) -> None:
+    await store.put(msgspec.structs.replace(stored, response=response, owner=None))
+    if log is not None:
+        await log.end(response)
+
+
+async def _logged(log: EventLog, events: AsyncIterator[dict]) -> None:
+    async with aclosing(events):
+        async for event in events:
+            await log.add(event)
+
+
+async def _kept(store: Store | None, keep: list[dict] | None, response: dict,
+                streamed: bool = False) -> dict:
     """`response`, stored first with the items it answered where `keep` has them."""
     if keep is not None:
-        await store.put(Stored(response, keep))
+        await store.put(Stored(response, keep, streamed=streamed))
     return response
 
 
 async def _events(job: Job, body: ResponsesRequest, events: AsyncIterator[Event],
                   tokenizer: Tokenizer, store: Store | None = None,
-                  keep: list[dict] | None = None) -> AsyncIterator[dict]:
+                  keep: list[dict] | None = None, streamed: bool = False
+                  ) -> AsyncIterator[dict]:
+    """`streamed`: a background response's, queued first."""
     numbers = itertools.count()
 
     def event(kind: str, **fields) -> dict:
         return {"type": kind, "sequence_number": next(numbers), **fields}
 
     opening = shell(job, body, "in_progress", [], stored=keep is not None)
-    yield event("response.created", response=opening)
+    if streamed:
+        queued = opening | {"status": "queued"}
+        yield event("response.created", response=queued)
+        yield event("response.queued", response=queued)
+    else:
+        yield event("response.created", response=opening)
     yield event("response.in_progress", response=opening)
     reader, items, choice = OutputReader(job.tool_calls, job.reasoning), Items(event), Choice()
     async with aclosing(events):
@@ -141,6 +172,6 @@ async def _events(job: Job, body: ResponsesRequest, events: AsyncIterator[Event]
     for each in items.close():
         yield each
     whole = await _kept(store, keep, finished(job, body, choice, tokenizer, items.done,
-                                               stored=keep is not None))
+                                               stored=keep is not None), streamed)
     kind = "response.incomplete" if whole["status"] == "incomplete" else "response.completed"
     yield event(kind, response=whole)

@@ -26,6 +26,7 @@ class Stored(msgspec.Struct):
     items: list[dict]  # its input: the conversation before its output, each with an id
     owner: str | None = None  # the frontend running it, while a background one runs
     key: str | None = None  # the digest of the API key that stored it (keys.KEY_ID)
+    streamed: bool = False  # a background one whose events are kept (responses_events.py)
 
 
 class Store:
@@ -56,10 +57,15 @@ class Store:
         """Set while a cancel of a background response waits for its api."""
         return self.keys.response(response_id) + ":cancel"
 
+    def events_key(self, response_id: str) -> str:
+        """A streamed background response's events (api/responses_events.py)."""
+        return self.keys.response(response_id) + ":events"
+
     async def delete(self, response_id: str) -> None:
         await self.get(response_id)  # its NotFound, another key's included
         if not await self.redis.delete(self.keys.response(response_id)):
             await self.get(response_id)  # deleted meanwhile
+        await self.redis.delete(self.events_key(response_id))
 
 
 def history(previous: Stored | None) -> list[dict]:

@@ -1,5 +1,6 @@
-# The routes of stored responses (api/responses_store.py): GET /v1/responses/{id}, its
-# input_items, DELETE, and POST .../cancel for a background one (api/responses_background.py).
+# The routes of stored responses (api/responses_store.py): GET /v1/responses/{id} (a
+# streamed background one's events too: api/responses_events.py), its input_items, DELETE,
+# and POST .../cancel for a background one (api/responses_background.py).
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from fastapi import APIRouter, Depends, Query
 
 from api.keys import KEY_ID
 from api.responses_background import as_now, cancel
+from api.responses_events import as_is, follow
 from api.responses_store import Store, page
 from api.served import Served, served
+from api.streaming import EventStream
 from pipeline.errors import InvalidRequest
 
 router = APIRouter()
@@ -23,9 +26,19 @@ def store_of(s: Served) -> Store:
 
 
 @router.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, s: ServedDep):
+async def get_response(response_id: str, s: ServedDep, stream: bool = False,
+                       starting_after: Annotated[int | None, Query(ge=0)] = None):
+    """The response as it stands; `stream`: a streamed background one's events, those
+    after `starting_after` (a sequence number) first, then each as it comes."""
     store = store_of(s)
-    return (await as_now(store, await store.get(response_id))).response
+    stored = await store.get(response_id)
+    if not stream:
+        return (await as_now(store, stored)).response
+    if not stored.streamed:
+        raise InvalidRequest("only a response created with both background and stream "
+                             "can be streamed", param="stream")
+    after = -1 if starting_after is None else starting_after
+    return EventStream(follow(store, response_id, after), encode=as_is)
 
 
 @router.delete("/v1/responses/{response_id}")

@@ -126,19 +126,25 @@ async def collect_until(events: AsyncIterator[Event], n: int, stop: Coroutine,
     cancelled) and a `cancelled` error says `why`."""
     choices = [Choice() for _ in range(n)]
 
-    async def fill() -> None:
+    async def fill() -> list[Choice]:
         async with aclosing(events):
             async for index, delta in events:
                 choices[index].add(delta)
+        return choices
 
-    work = asyncio.ensure_future(fill())
+    return await until(fill(), stop, why)
+
+
+async def until(work: Coroutine, stop: Coroutine, why: str):
+    """`work`'s result, unless `stop` ends first: then `work` is cancelled and a
+    `cancelled` error says `why`."""
+    work = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(stop)
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
             raise error_from_code("cancelled", why)
-        work.result()
-        return choices
+        return work.result()
     finally:
         await cancel_and_wait([work, watch])
 

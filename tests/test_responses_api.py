@@ -237,9 +237,67 @@ def test_a_background_response_runs_on_to_be_polled_or_cancelled(client):
     assert _polled(client, long.id).status == "cancelled"
     with pytest.raises(openai.BadRequestError):
         client.responses.cancel(foreground.id)
-    for refused in ({"stream": True}, {"store": False}):
-        with pytest.raises(openai.BadRequestError):
-            client.responses.create(**ask, background=True, **refused)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(**ask, background=True, store=False)
+
+
+def test_a_streamed_background_response_is_picked_up_where_its_stream_dropped(client, tier):
+    """background with stream: a client that drops its stream after a few events picks it
+    up on another api from its cursor, and nothing is lost or repeated; the whole stream
+    replays from the start after the end; a response not made so is not streamed again."""
+    first = client.responses.create(model=MODEL, input="Tell a story.", temperature=0,
+                                    max_output_tokens=40, background=True, stream=True)
+    head = [event for event, _ in zip(first, range(8), strict=False)]
+    first.close()
+    assert [event.type for event in head[:3]] == [
+        "response.created", "response.queued", "response.in_progress"]
+    assert head[0].response.status == "queued"
+    response_id, cursor = head[0].response.id, head[-1].sequence_number
+    with tier.extra_api() as (other_url, _proc):
+        other = openai.OpenAI(base_url=f"{other_url}/v1", api_key="unused", timeout=120)
+        rest = list(other.responses.retrieve(response_id, stream=True, starting_after=cursor))
+    events = head + rest
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert rest[-1].type == "response.incomplete"  # 40 tokens of a story
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    ended = client.responses.retrieve(response_id)
+    assert (ended.status, ended.output_text) == ("incomplete", text) and text
+    replayed = list(client.responses.retrieve(response_id, stream=True))
+    assert [event.model_dump() for event in replayed] == [event.model_dump() for event in events]
+    foreground = client.responses.create(model=MODEL, input="Hi.", max_output_tokens=4)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.retrieve(foreground.id, stream=True)
+    assert refused.value.body["param"] == "stream"
+
+
+def test_a_streamed_background_response_ends_its_stream_when_cancelled_or_its_api_dies(
+        client, tier):
+    """A cancel ends the stream (and its replay) with response.cancelled; a stream whose
+    api died ends, once its liveness key has expired, with response.failed."""
+    long = {"model": MODEL, "input": "Tell a long story.", "background": True, "stream": True,
+            "max_output_tokens": 4000, "extra_body": {"ignore_eos": True}}
+    stream = client.responses.create(**long)
+    response_id = next(iter(stream)).response.id
+    for event in stream:
+        if event.type == "response.output_text.delta":
+            break
+    assert client.responses.cancel(response_id).status == "cancelled"
+    last = list(stream)[-1]
+    assert (last.type, last.response["status"]) == ("response.cancelled", "cancelled")
+    assert list(client.responses.retrieve(response_id, stream=True))[-1].type \
+        == "response.cancelled"
+    with tier.extra_api() as (url, proc):
+        other = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
+        stream = other.responses.create(**long)
+        response_id = next(iter(stream)).response.id
+        stream.close()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    events = list(client.responses.retrieve(response_id, stream=True, starting_after=0))
+    assert events[0].sequence_number == 1
+    assert events[-1].type == "response.failed" and events[-1].response.status == "failed"
+    assert [event.sequence_number for event in events] == list(range(1, len(events) + 1))
+
 
 
 def test_a_background_response_whose_api_died_is_failed(client, tier):
