@@ -34,8 +34,9 @@ def _opt(envvar: str, help: str, **kwargs) -> typer.models.OptionInfo:
     return typer.Option(envvar=f"PIPELINE_{envvar}", help=help, **kwargs)
 
 
-RedisUrl = Annotated[str | None, _opt("REDIS_URL", "redis://, rediss:// or unix:// URL, with auth "
-                                      "(redis://user:pass@host:6379/0).")]
+RedisUrl = Annotated[str | None, _opt(
+    "REDIS_URL", "redis://, rediss:// or unix:// URL, with auth (redis://user:pass@host:6379/0); "
+    "or Sentinel's, redis+sentinel://[user:pass@]host:26379[,host:port...]/service[/db].")]
 Prefix = Annotated[str, _opt("PREFIX", "Key prefix shared by every worker of one tier.")]
 Model = Annotated[str, _opt("MODEL", f"A local HF model directory, or {DEFAULT_MODEL}.")]
 Host = Annotated[str, _opt("HOST", "Address the api listens on.")]

@@ -96,12 +96,11 @@ def _wait_for_redis(url: str) -> None:
     api started before its Redis (no compose healthcheck, a pod) comes up when
     Redis does. Here, before uvicorn takes SIGTERM and SIGINT: its startup ignores
     them, so a wait in the app's lifespan could not be stopped."""
-    import redis.asyncio
-
+    from pipeline.redis_url import async_plain
     from pipeline.worker import retrying
 
     async def ping() -> None:
-        client = redis.asyncio.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+        client = async_plain(url, socket_connect_timeout=5, socket_timeout=5)
         try:
             await retrying(client.ping, "api start")
         finally:

@@ -16,13 +16,14 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from pipeline.recovery import queue_depths
+from pipeline.redis_url import sync_client
 from pipeline.streams import SCHEDULERS, TIERS, WORKERS_KEPT_S, Keys, StreamClient
 
 
 def live_workers(redis_url: str, prefix: str) -> list[dict]:
     """Every live worker's record, found through the workers index; where the
     index is empty, by a SCAN: a tier whose workers predate the index."""
-    client = redis.Redis.from_url(redis_url, socket_timeout=5)
+    client = sync_client(redis_url, socket_timeout=5)
     keys = Keys(prefix)
     try:
         found = client.zrangebyscore(keys.workers, time.time() - WORKERS_KEPT_S, "+inf")

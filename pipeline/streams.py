@@ -21,11 +21,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import redis.asyncio as redis
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipeline.messages import FIELD, encode
+from pipeline.redis_url import async_client
 
 SCHEDULERS = "schedulers"
 # OpenAI's service tiers, most urgent first: each has its own requests stream (a lane),
@@ -197,12 +197,11 @@ class StreamClient:
         # A burst of commands (an api submitting 256 requests at once) waits for one of
         # MAX_CONNECTIONS rather than failing: redis-py's plain pool raises "Too many
         # connections" past 100, which callers took for Redis being down and backed off.
-        pool = redis.BlockingConnectionPool.from_url(
+        self.redis = async_client(
             url, max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT_S,
             socket_timeout=max(5.0, 2 * block_ms / 1000), socket_connect_timeout=5.0,
             health_check_interval=30,
         )
-        self.redis = redis.Redis.from_pool(pool)
 
     def reader(self) -> StreamClient:
         return StreamClient(self.url, block_ms=self.block_ms)

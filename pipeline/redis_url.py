@@ -1,0 +1,97 @@
+# Clients for a Redis URL: those redis-py reads (redis://, rediss://, unix://), and
+# Sentinel's, redis+sentinel://[[user]:password@]host:port[,host:port...]/service[/db]
+# (rediss+sentinel: TLS to the master), whose master is asked of the sentinels, so that
+# after a failover each connection that fails finds the new one (a demoted master's
+# READONLY counts as a lost connection). The credentials are the master's; the
+# sentinels are reached without.
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
+
+import redis
+import redis.asyncio
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+
+SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}  # scheme -> TLS
+SENTINEL_PORT = 26379
+
+
+@dataclass(frozen=True)
+class SentinelUrl:
+    sentinels: list[tuple[str, int]]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    ssl: bool = False
+
+    @property
+    def master_options(self) -> dict:
+        return {"db": self.db, "username": self.username, "password": self.password,
+                "ssl": self.ssl}
+
+
+def sentinel_url(url: str) -> SentinelUrl | None:
+    """`url` read as Sentinel's; None for any other scheme. A ValueError names what a
+    Sentinel URL lacks."""
+    parts = urlsplit(url)
+    if parts.scheme not in SCHEMES:
+        return None
+    sentinels = [_address(host) for host in parts.netloc.rpartition("@")[2].split(",") if host]
+    path = [unquote(part) for part in parts.path.split("/") if part]
+    if not sentinels or not path or len(path) > 2:
+        raise ValueError(f"a Sentinel URL is {next(iter(SCHEMES))}://[[user]:password@]"
+                         f"host:port[,host:port...]/service[/db], not {url!r}")
+    return SentinelUrl(sentinels, path[0], int(path[1]) if len(path) > 1 else 0,
+                       unquote(parts.username) if parts.username else None,
+                       unquote(parts.password) if parts.password else None,
+                       SCHEMES[parts.scheme])
+
+
+def _address(host: str) -> tuple[str, int]:
+    """host, host:port, [v6] or [v6]:port."""
+    if host.startswith("["):
+        name, _, port = host[1:].partition("]")
+        port = port.lstrip(":")
+    else:
+        name, _, port = host.partition(":")
+    return name, int(port) if port else SENTINEL_PORT
+
+
+class BlockingSentinelPool(SentinelConnectionPool, redis.asyncio.BlockingConnectionPool):
+    """Sentinel's pool, waiting for a free connection as BlockingConnectionPool does."""
+
+
+def async_client(url: str, *, max_connections: int, timeout: float,
+                 **options) -> redis.asyncio.Redis:
+    """An asyncio client whose pool holds `max_connections` at most, a command waiting
+    `timeout` for one; `options` are each connection's (socket_timeout, ...)."""
+    found = sentinel_url(url)
+    if found is None:
+        return redis.asyncio.Redis.from_pool(redis.asyncio.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout, **options))
+    manager = Sentinel(found.sentinels, socket_timeout=options.get("socket_timeout"),
+                       socket_connect_timeout=options.get("socket_connect_timeout"))
+    return redis.asyncio.Redis.from_pool(BlockingSentinelPool(
+        found.service, manager, max_connections=max_connections, timeout=timeout,
+        **found.master_options, **options))
+
+
+def async_plain(url: str, **options) -> redis.asyncio.Redis:
+    """An asyncio client with redis-py's own pool."""
+    found = sentinel_url(url)
+    if found is None:
+        return redis.asyncio.Redis.from_url(url, **options)
+    return Sentinel(found.sentinels, socket_timeout=options.get("socket_timeout")).master_for(
+        found.service, **found.master_options, **options)
+
+
+def sync_client(url: str, **options) -> redis.Redis:
+    """A blocking client (`pipeline status`, tests)."""
+    found = sentinel_url(url)
+    if found is None:
+        return redis.Redis.from_url(url, **options)
+    return redis.Sentinel(found.sentinels, socket_timeout=options.get("socket_timeout")
+                          ).master_for(found.service, **found.master_options, **options)
