@@ -3,6 +3,7 @@ guards every route but health."""
 
 from __future__ import annotations
 
+import json
 import signal
 
 import httpx
@@ -32,6 +33,14 @@ def test_every_role_serves_with_only_its_documented_acl(own_redis7, make_tier):
     assert httpx.post(f"{url}/v1/responses", timeout=60, json={
         "input": "Hi", "max_output_tokens": 2, "previous_response_id": stored["id"]},
     ).status_code == 200
+    # a streamed background response: its events kept in Redis and read again
+    with httpx.stream("POST", f"{url}/v1/responses", timeout=60, json={
+            "input": "Hi", "max_output_tokens": 2, "background": True, "stream": True}) as sent:
+        streamed = b"".join(sent.iter_bytes()).decode()
+    created = json.loads(streamed.split("data: ", 1)[1].split("\n", 1)[0])
+    replayed = httpx.get(f"{url}/v1/responses/{created['response']['id']}?stream=true",
+                         timeout=60)
+    assert "response.incomplete" in streamed and replayed.text == streamed
     assert httpx.get(f"{url}/health_generate", timeout=60).status_code == 200
     # /metrics reads every worker's liveness record with the api's own user
     metrics = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
