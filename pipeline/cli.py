@@ -34,9 +34,21 @@ def _opt(envvar: str, help: str, **kwargs) -> typer.models.OptionInfo:
     return typer.Option(envvar=f"PIPELINE_{envvar}", help=help, **kwargs)
 
 
+def _redis_url(url: str | None) -> str | None:
+    """A Sentinel URL that lacks its hosts or service is a usage error, not a crash."""
+    from pipeline.redis_url import sentinel_url
+
+    try:
+        sentinel_url(url or "")
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    return url
+
+
 RedisUrl = Annotated[str | None, _opt(
     "REDIS_URL", "redis://, rediss:// or unix:// URL, with auth (redis://user:pass@host:6379/0); "
-    "or Sentinel's, redis+sentinel://[user:pass@]host:26379[,host:port...]/service[/db].")]
+    "or Sentinel's, redis+sentinel://[user:pass@]host:26379[,host:port...]/service[/db].",
+    callback=_redis_url)]
 Prefix = Annotated[str, _opt("PREFIX", "Key prefix shared by every worker of one tier.")]
 Model = Annotated[str, _opt("MODEL", f"A local HF model directory, or {DEFAULT_MODEL}.")]
 Host = Annotated[str, _opt("HOST", "Address the api listens on.")]

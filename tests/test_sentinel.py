@@ -5,6 +5,8 @@ then ends whole."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +19,7 @@ from pipeline.status import live_workers
 from tests.harness import Sentinels, Tier
 
 
-def test_a_sentinel_url_names_the_sentinels_the_service_and_the_masters_login():
+def test_a_sentinel_url_names_the_sentinels_the_service_and_the_masters_login_or_is_refused():
     assert sentinel_url("redis+sentinel://u:p%40ss@10.0.0.1:5000,[::1],h/svc/2") == SentinelUrl(
         [("10.0.0.1", 5000), ("::1", 26379), ("h", 26379)], "svc", 2, "u", "p@ss")
     assert sentinel_url("rediss+sentinel://h/svc").ssl
@@ -25,6 +27,10 @@ def test_a_sentinel_url_names_the_sentinels_the_service_and_the_masters_login():
     for wrong in ("redis+sentinel://h:1", "redis+sentinel:///svc", "redis+sentinel://h/a/1/2"):
         with pytest.raises(ValueError):
             sentinel_url(wrong)
+    refused = subprocess.run([sys.executable, "-m", "pipeline.cli", "worker", "--role", "api",
+                              "--redis-url", "redis+sentinel://h:1"], capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode == 2 and "Sentinel" in refused.stderr  # a usage error
 
 
 @pytest.fixture
