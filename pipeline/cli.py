@@ -35,19 +35,34 @@ def _opt(envvar: str, help: str, **kwargs) -> typer.models.OptionInfo:
 
 
 def _redis_url(url: str | None) -> str | None:
-    """A Sentinel URL that lacks its hosts or service is a usage error, not a crash."""
+    """A Sentinel or cluster URL that lacks its parts is a usage error, not a crash."""
+    from pipeline.redis_cluster import cluster_url
     from pipeline.redis_url import sentinel_url
 
     try:
         sentinel_url(url or "")
+        cluster_url(url or "")
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
     return url
 
 
+def _check_prefix(url: str | None, prefix: str) -> None:
+    """On a Redis Cluster, a prefix without a hash tag is a usage error."""
+    from pipeline.redis_cluster import cluster_url, tier_slot
+
+    if url and cluster_url(url) is not None:
+        try:
+            tier_slot(prefix)
+        except ValueError as error:
+            raise typer.BadParameter(str(error), param_hint="--prefix") from None
+
+
 RedisUrl = Annotated[str | None, _opt(
     "REDIS_URL", "redis://, rediss:// or unix:// URL, with auth (redis://user:pass@host:6379/0); "
-    "or Sentinel's, redis+sentinel://[user:pass@]host:26379[,host:port...]/service[/db].",
+    "Sentinel's, redis+sentinel://[user:pass@]host:26379[,host:port...]/service[/db]; or a "
+    "cluster's, redis+cluster://[user:pass@]host:port[,host:port...] (--prefix with a hash "
+    "tag: '{pipeline}').",
     callback=_redis_url)]
 Prefix = Annotated[str, _opt("PREFIX", "Key prefix shared by every worker of one tier.")]
 Model = Annotated[str, _opt("MODEL", f"A local HF model directory, or {DEFAULT_MODEL}.")]
@@ -129,6 +144,7 @@ def build_config(*, redis_url: str, prefix: str, model: str, host: str, port: in
                  served_model_name: str | None = None, access_log: bool = False,
                  allowed_origins: str | None = None,
                  grammar_timeout_s: float = 10.0, response_ttl_s: float = 3600.0) -> Config:
+    _check_prefix(redis_url, prefix)
     names = () if served_model_name is None else tuple(
         name.strip() for name in served_model_name.split(",") if name.strip())
     if served_model_name is not None and not names:
@@ -294,6 +310,7 @@ def status(redis_url: RedisUrl = "redis://127.0.0.1:6379/0", prefix: Prefix = "p
     """Show the live workers of a tier, their load, and the requests queued."""
     from pipeline.status import print_status
 
+    _check_prefix(redis_url, prefix)
     raise typer.Exit(print_status(redis_url or "redis://127.0.0.1:6379/0", prefix, as_json))
 
 

@@ -1,5 +1,5 @@
-# Clients for a Redis URL: those redis-py reads (redis://, rediss://, unix://), and
-# Sentinel's, redis+sentinel://[[user]:password@]host:port[,host:port...]/service[/db]
+# Clients for a Redis URL: those redis-py reads (redis://, rediss://, unix://), a
+# cluster's (pipeline/redis_cluster.py), and Sentinel's, redis+sentinel://[[user]:password@]host:port[,host:port...]/service[/db]
 # (rediss+sentinel: TLS to the master), whose master is asked of the sentinels, so that
 # after a failover each connection that fails finds the new one (a demoted master's
 # READONLY counts as a lost connection). The credentials are the master's; the
@@ -13,6 +13,8 @@ from urllib.parse import unquote, urlsplit
 import redis
 import redis.asyncio
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+
+from pipeline.redis_cluster import async_cluster_client, cluster_url, sync_cluster_client
 
 SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}  # scheme -> TLS
 SENTINEL_PORT = 26379
@@ -64,10 +66,14 @@ class BlockingSentinelPool(SentinelConnectionPool, redis.asyncio.BlockingConnect
     """Sentinel's pool, waiting for a free connection as BlockingConnectionPool does."""
 
 
-def async_client(url: str, *, max_connections: int, timeout: float,
+def async_client(url: str, *, max_connections: int, timeout: float, prefix: str | None = None,
                  **options) -> redis.asyncio.Redis:
     """An asyncio client whose pool holds `max_connections` at most, a command waiting
-    `timeout` for one; `options` are each connection's (socket_timeout, ...)."""
+    `timeout` for one; `options` are each connection's (socket_timeout, ...). `prefix`:
+    the tier's, whose slot a cluster's client serves (pipeline/redis_cluster.py)."""
+    if (cluster := cluster_url(url)) is not None:
+        return async_cluster_client(cluster, prefix, max_connections=max_connections,
+                                    timeout=timeout, **options)
     found = sentinel_url(url)
     if found is None:
         return redis.asyncio.Redis.from_pool(redis.asyncio.BlockingConnectionPool.from_url(
@@ -80,7 +86,10 @@ def async_client(url: str, *, max_connections: int, timeout: float,
 
 
 def async_plain(url: str, **options) -> redis.asyncio.Redis:
-    """An asyncio client with redis-py's own pool."""
+    """An asyncio client with redis-py's own pool (of a cluster: its first node's)."""
+    if (cluster := cluster_url(url)) is not None:
+        host, port = cluster.nodes[0]
+        return redis.asyncio.Redis(host=host, port=port, **cluster.login, **options)
     found = sentinel_url(url)
     if found is None:
         return redis.asyncio.Redis.from_url(url, **options)
@@ -88,8 +97,10 @@ def async_plain(url: str, **options) -> redis.asyncio.Redis:
         found.service, **found.master_options, **options)
 
 
-def sync_client(url: str, **options) -> redis.Redis:
-    """A blocking client (`pipeline status`, tests)."""
+def sync_client(url: str, prefix: str | None = None, **options) -> redis.Redis:
+    """A blocking client (`pipeline status`, tests); `prefix` as async_client's."""
+    if (cluster := cluster_url(url)) is not None:
+        return sync_cluster_client(cluster, prefix, **options)
     found = sentinel_url(url)
     if found is None:
         return redis.Redis.from_url(url, **options)

@@ -23,7 +23,7 @@ from pipeline.streams import SCHEDULERS, TIERS, WORKERS_KEPT_S, Keys, StreamClie
 def live_workers(redis_url: str, prefix: str) -> list[dict]:
     """Every live worker's record, found through the workers index; where the
     index is empty, by a SCAN: a tier whose workers predate the index."""
-    client = sync_client(redis_url, socket_timeout=5)
+    client = sync_client(redis_url, prefix, socket_timeout=5)
     keys = Keys(prefix)
     try:
         found = client.zrangebyscore(keys.workers, time.time() - WORKERS_KEPT_S, "+inf")
@@ -61,7 +61,7 @@ def queued_requests(redis_url: str, prefix: str) -> dict[str, int]:
     up to QUEUE_LIMIT (capped at QUEUE_LIMIT + 1): Redis 7 counts them, on Redis 6
     they are fetched."""
     async def read() -> list[int]:
-        client = StreamClient(redis_url)
+        client = StreamClient(redis_url, prefix=prefix)
         try:
             return await queue_depths(client, Keys(prefix).lanes, SCHEDULERS, QUEUE_LIMIT,
                                       exact=True)

@@ -190,21 +190,21 @@ class StreamClient:
     """The Redis stream client every role uses. Blocking reads get their own
     connection (`reader()`), so a long BLOCK never starves XADD/XACK traffic."""
 
-    def __init__(self, url: str, *, block_ms: int = 1000):
-        self.url = url
-        self.block_ms = block_ms
+    def __init__(self, url: str, *, block_ms: int = 1000, prefix: str | None = None):
+        """`prefix`: the tier's, which a Redis Cluster's client needs (its slot)."""
+        self.url, self.block_ms, self.prefix = url, block_ms, prefix
         # socket timeout above the longest BLOCK: a blocked read must not look like a dead socket.
         # A burst of commands (an api submitting 256 requests at once) waits for one of
         # MAX_CONNECTIONS rather than failing: redis-py's plain pool raises "Too many
         # connections" past 100, which callers took for Redis being down and backed off.
         self.redis = async_client(
-            url, max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT_S,
+            url, max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT_S, prefix=prefix,
             socket_timeout=max(5.0, 2 * block_ms / 1000), socket_connect_timeout=5.0,
             health_check_interval=30,
         )
 
     def reader(self) -> StreamClient:
-        return StreamClient(self.url, block_ms=self.block_ms)
+        return StreamClient(self.url, block_ms=self.block_ms, prefix=self.prefix)
 
     async def close(self) -> None:
         await self.redis.aclose()

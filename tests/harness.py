@@ -52,7 +52,7 @@ def free_port() -> int:
 
 
 def delete_prefix(redis_url: str, prefix: str) -> None:
-    client = sync_client(redis_url)
+    client = sync_client(redis_url, prefix)
     keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
     if keys:
         client.delete(*keys)
@@ -218,6 +218,92 @@ class Sentinels:
             assert time.monotonic() < deadline, f"no failover; logs in {self.directory}"
             time.sleep(0.2)
         return self.master_port()
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.kill()
+            proc.wait()
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (10,000 above it) is free too."""
+    while True:
+        port = free_port()
+        if port > 55535:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+                return port
+            except OSError:
+                continue
+
+
+class Cluster:
+    """A Redis Cluster of 3 masters, each with a replica (a real Redis each, on free
+    ports, node timeout 1 s), in `directory`."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.binary = shutil.which("redis-server") or str(redis_server_binary())
+        self.ports = [_cluster_port() for _ in range(6)]
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.ports[:2])
+
+    def start(self, timeout_s: float = 30) -> str:
+        for port in self.ports:
+            home = self.directory / str(port)
+            home.mkdir()
+            log = open(home / "log", "w")
+            self.procs[port] = subprocess.Popen(
+                [self.binary, "--port", str(port), "--cluster-enabled", "yes",
+                 "--cluster-node-timeout", "1000", "--dir", str(home), "--save", "",
+                 "--appendonly", "no"], stdout=log, stderr=subprocess.STDOUT)
+        cli = str(Path(self.binary).with_name("redis-cli"))
+        deadline = time.monotonic() + timeout_s
+        while not all(self._answers(port) for port in self.ports):
+            assert time.monotonic() < deadline, f"nodes not up; logs in {self.directory}"
+            time.sleep(0.1)
+        made = subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+                               "--cluster-replicas", "1", "--cluster-yes"],
+                              capture_output=True, text=True, timeout=60)
+        assert made.returncode == 0, made.stdout + made.stderr
+        while not self._ready():
+            assert time.monotonic() < deadline, f"cluster not ready; logs in {self.directory}"
+            time.sleep(0.2)
+        return self.url
+
+    def _answers(self, port: int) -> bool:
+        try:
+            return redis.Redis(port=port, socket_timeout=1).ping()
+        except redis.RedisError:
+            return False
+
+    def _ready(self) -> bool:
+        """Every node says the cluster is ok, and every replica is in step."""
+        for port in self.ports:
+            node = redis.Redis(port=port, socket_timeout=1)
+            if node.execute_command("CLUSTER INFO").get("cluster_state") != "ok":
+                return False
+            link = node.info("replication")
+            if link["role"] == "slave" and link.get("master_link_status") != "up":
+                return False
+        return True
+
+    def master_of(self, prefix: str) -> int:
+        """The port of the master that serves `prefix`'s slot now."""
+        node = redis.Redis(port=next(p for p in self.ports if p in self.procs), socket_timeout=1)
+        slot = node.execute_command("CLUSTER KEYSLOT", f"{prefix}:x")
+        for start, end, master, *_ in node.execute_command("CLUSTER SLOTS"):
+            if start <= slot <= end:
+                return int(master[1])
+        raise AssertionError(f"no master serves slot {slot}")
+
+    def kill(self, port: int) -> None:
+        self.procs.pop(port).kill()
 
     def stop(self) -> None:
         for proc in self.procs.values():

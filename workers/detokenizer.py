@@ -57,7 +57,8 @@ class Detokenizer:
         self.keys = Keys(config.redis.prefix)
         self.tokenizer = tokenizer
         self.worker_id = config.detokenizer.detokenizer_id or new_worker_id("detokenizer")
-        self.client = StreamClient(config.redis.url, block_ms=config.redis.read_block_ms)
+        self.client = StreamClient(config.redis.url, block_ms=config.redis.read_block_ms,
+                                   prefix=config.redis.prefix)
         self.reader = self.client.reader()
         self.start = "0"  # own pending entries first (a restart under the same id), then new
         self.num_batches = 0

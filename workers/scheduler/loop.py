@@ -62,7 +62,8 @@ class Scheduler:
         self.keys = Keys(config.redis.prefix)
         self.worker_id = config.scheduler.scheduler_id or new_worker_id("scheduler")
         self.lanes = Lanes(self.keys, self.worker_id)
-        self.client = StreamClient(config.redis.url, block_ms=config.redis.read_block_ms)
+        self.client = StreamClient(config.redis.url, block_ms=config.redis.read_block_ms,
+                                   prefix=config.redis.prefix)
         self.reader = self.client.reader()
         self.running: dict[str, Running] = {}
         self.control_id = "$"
