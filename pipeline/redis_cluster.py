@@ -80,13 +80,22 @@ def _known(slots: list) -> list[tuple[str, int]]:
 
 class SlotFinder:
     """The master of one slot, asked of the cluster's nodes (those given first, then
-    those learned) until one answers."""
+    those learned) until one answers; kept until a connection finds it wrong."""
 
     def __init__(self, cluster: ClusterUrl, slot: int, timeout_s: float | None):
         self.cluster, self.slot, self.timeout_s = cluster, slot, timeout_s
         self.nodes = list(cluster.nodes)
+        self.known: tuple[str, int] | None = None
+
+    def forget(self) -> None:
+        self.known = None
 
     async def master(self) -> tuple[str, int]:
+        if self.known is None:
+            self.known = await self._ask()
+        return self.known
+
+    async def _ask(self) -> tuple[str, int]:
         failures = []
         for host, port in list(self.nodes):
             client = redis.asyncio.Redis(host=host, port=port, socket_timeout=self.timeout_s,
@@ -121,14 +130,20 @@ class SlotConnection(redis.asyncio.Connection):
                                          lambda _error: asyncio.sleep(0))
 
     async def _connect_to_master(self):
-        if not self.is_connected:
-            self.host, self.port = await self.finder.master()
+        if self.is_connected:
+            return
+        self.host, self.port = await self.finder.master()
+        try:
             await self.connect_check_health(check_health=True, retry_socket_connect=False)
+        except Exception:
+            self.finder.forget()
+            raise
 
     async def read_response(self, *args, **kwargs):
         try:
             return await super().read_response(*args, **kwargs)
         except ELSEWHERE as error:
+            self.finder.forget()
             await self.disconnect()
             raise ConnectionError(f"the tier's slot is not served here now: {error}") from error
 
