@@ -70,7 +70,7 @@ async def follow(store: Store, response_id: str, after: int = -1) -> AsyncIterat
                 yield b"event: %s\ndata: %s\n\n" % (fields[b"type"], fields[b"data"])
                 if fields[b"type"] in ENDS:
                     return
-                cursor = at.decode() if isinstance(at, bytes) else at
+                cursor = at.decode()
                 waited, pause = 0.0, POLL_S
             if found:
                 continue

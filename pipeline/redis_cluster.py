@@ -65,17 +65,22 @@ def tier_slot(prefix: str | None) -> int:
     return key_slot(f"{prefix}:".encode())
 
 
-def _master_of(slots: list, slot: int) -> tuple[str, int] | None:
+def master_of_slot(slots: list, slot: int) -> tuple[str, int] | None:
+    """The master serving `slot`, in CLUSTER SLOTS' reply `slots`."""
     for start, end, master, *_replicas in slots:
         if start <= slot <= end:
-            host = master[0].decode() if isinstance(master[0], bytes) else master[0]
-            return host, int(master[1])
+            return _node(master)
     return None
 
 
 def _known(slots: list) -> list[tuple[str, int]]:
-    return [((node[0].decode() if isinstance(node[0], bytes) else node[0]), int(node[1]))
-            for _start, _end, *nodes in slots for node in nodes]
+    """Every node CLUSTER SLOTS' reply names, masters and replicas."""
+    return [_node(node) for _start, _end, *nodes in slots for node in nodes]
+
+
+def _node(entry: list) -> tuple[str, int]:
+    host = entry[0]
+    return host.decode() if isinstance(host, bytes) else host, int(entry[1])
 
 
 class SlotFinder:
@@ -109,7 +114,7 @@ class SlotFinder:
             finally:
                 await client.aclose()
             self.nodes += [node for node in _known(slots) if node not in self.nodes]
-            if (found := _master_of(slots, self.slot)) is not None:
+            if (found := master_of_slot(slots, self.slot)) is not None:
                 return found
             failures.append(f"{host}:{port}: no master serves slot {self.slot}")
         raise ConnectionError("no node of the cluster named the master of the tier's slot ("
@@ -163,7 +168,7 @@ def sync_cluster_client(cluster: ClusterUrl, prefix: str | None, **options) -> r
         try:
             with redis.Redis(host=host, port=port, socket_timeout=5, socket_connect_timeout=5,
                              **cluster.login) as client:
-                found = _master_of(client.execute_command("CLUSTER SLOTS"), slot)
+                found = master_of_slot(client.execute_command("CLUSTER SLOTS"), slot)
         except redis.RedisError as error:
             failures.append(f"{host}:{port}: {error}")
             continue

@@ -1,5 +1,6 @@
 # Clients for a Redis URL: those redis-py reads (redis://, rediss://, unix://), a
-# cluster's (pipeline/redis_cluster.py), and Sentinel's, redis+sentinel://[[user]:password@]host:port[,host:port...]/service[/db]
+# cluster's (pipeline/redis_cluster.py), and Sentinel's,
+# redis+sentinel://[[user]:password@]host:port[,host:port...]/service[/db]
 # (rediss+sentinel: TLS to the master), whose master is asked of the sentinels, so that
 # after a failover each connection that fails finds the new one (a demoted master's
 # READONLY counts as a lost connection). The credentials are the master's; the

