@@ -20,7 +20,7 @@ from pipeline.config import ApiConfig, Config, RedisConfig, SchedulerConfig
 from pipeline.errors import ConfigError
 from pipeline.models import DEFAULT_MODEL
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="An LLM serving tier whose every hop is a Redis stream.")
 
 

@@ -101,6 +101,17 @@ def test_bad_settings_are_one_line_and_exit_2_not_a_traceback(tmp_path):
         assert "Traceback" not in refused.stderr + refused.stdout
 
 
+def test_every_command_s_help_lists_its_options_as_written():
+    """--help prints each option's text as it is (brackets in a URL's syntax are not
+    markup to render: `[/db]` once made `worker --help` a traceback)."""
+    for command, option in [("serve", "--redis-url"), ("worker", "--role"),
+                            ("status", "--json"), ("bench", "--concurrency")]:
+        shown = pipeline(command, "--help")
+        assert shown.returncode == 0, (command, shown.stderr)
+        assert option in shown.stdout and "Traceback" not in shown.stdout + shown.stderr
+    assert "/service[/db]" in "".join(pipeline("worker", "--help").stdout.split())
+
+
 def _stderr_lines(*args: str, count: int) -> list[str]:
     """The first `count` lines a `pipeline` command writes to stderr (it is then
     stopped, if it has not ended)."""
