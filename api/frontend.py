@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import msgspec
+from redis.exceptions import ResponseError
 
 from api.metrics import Metrics
 from pipeline import logs
@@ -77,6 +78,7 @@ class Frontend:
         self.queue_depths = [0] * len(TIERS)
         self.num_resubmits = 0
         self.last_reply_id = "0-0"
+        self.redis_run_id: str | None = None  # the server we talk to (_watch_for_failover)
 
     async def start(self) -> None:
         # the reply stream exists before any request names it: detokenizers
@@ -147,8 +149,9 @@ class Frontend:
         outcome = "cancelled"  # unless it ends otherwise: the caller stopped reading
         try:
             async with asyncio.timeout_at(loop.time() + timeout_s):  # Redis down: no end
-                await retrying(lambda: self.client.add(self.keys.lane(service_tier), submit),
-                               "submit")
+                # state.submit: a failover meanwhile may have made it a later attempt
+                await retrying(lambda: self.client.add(self.keys.lane(service_tier),
+                                                       state.submit), "submit")
             while True:
                 event = await state.events.get()
                 if event is EXPIRED:
@@ -241,23 +244,46 @@ class Frontend:
                 "reply_to": self.reply_to, "stream_interval": self.config.stream_interval}
         await self.client.heartbeat(self.keys.alive("api", self.frontend_id), info, ttl_s,
                                     self.keys.workers)
+        other_server = await self._watch_for_failover()
         # a dead frontend's reply stream expires by itself
         if not await self.client.redis.pexpire(self.reply_to, int(ttl_s * 1000) * 6):
-            await self._recover_lost_data()
+            log.warning("reply stream %s is gone (Redis lost its data); recreating it",
+                        self.reply_to)
+            await self.client.redis.xadd(self.reply_to, {"hello": self.frontend_id})
+            self.last_reply_id = "0-0"
+            if not other_server:  # its replies may be gone: as after a failover
+                await self._resubmit_all("its reply stream was gone")
         elif self.last_reply_id != "0-0":  # what we have read, nobody needs again
             await self.client.redis.xtrim(self.reply_to, minid=self.last_reply_id,
                                           approximate=True)
 
-    async def _recover_lost_data(self) -> None:
-        """Our reply stream vanished: Redis restarted empty. Recreate it and
-        resubmit everything in flight; schedulers drop the lost originals."""
-        log.warning("reply stream %s is gone (Redis lost its data); resubmitting %d requests",
-                    self.reply_to, len(self.states))
-        await self.client.redis.xadd(self.reply_to, {"hello": self.frontend_id})
-        self.last_reply_id = "0-0"
-        for state in list(self.states.values()):
-            if not state.finished:
-                await self._resubmit(state)
+    async def _watch_for_failover(self) -> bool:
+        """True, having resubmitted every request in flight, where the Redis we talk to
+        is another server than at the last heartbeat (its run_id: a replica promoted by
+        a failover, or a restart). Its replication is asynchronous, so the last writes
+        before it may be lost: a request's submission, tokens or replies, which nobody
+        would ever write again. A continuation of each, past what its client has,
+        loses nothing; the earlier attempts are cancelled (`Cancel.below`)."""
+        try:
+            run_id = (await self.client.redis.info("server")).get("run_id")
+        except ResponseError as error:  # a managed Redis may refuse INFO: no watch then
+            log.debug("INFO refused (%s): failovers not watched", error)
+            run_id = None
+        changed = None not in (run_id, self.redis_run_id) and run_id != self.redis_run_id
+        self.redis_run_id = run_id
+        if changed:
+            await self._resubmit_all("Redis is another server now (a failover or a restart)")
+        return changed
+
+    async def _resubmit_all(self, why: str) -> None:
+        in_flight = [state for state in self.states.values() if not state.finished]
+        log.warning("%s; resubmitting %d requests in flight", why, len(in_flight))
+        for state in in_flight:
+            await self._resubmit(state)
+        if in_flight:  # another scheduler may still run an earlier attempt: stop it
+            await self.client.add(self.keys.control, Cancel(
+                [state.submit.request_id for state in in_flight],
+                [state.submit.attempt for state in in_flight]), maxlen=CONTROL_MAXLEN)
 
     async def _watch_queue(self) -> None:
         while True:

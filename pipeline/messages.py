@@ -80,7 +80,11 @@ ToScheduler = Submit
 
 
 class Cancel(Struct, frozen=True, tag="cancel"):
+    """Stop these requests. `below`, where given (one per request id): stop only an
+    attempt older than that one (superseded, after a failover's resubmission)."""
+
     request_ids: list[str]
+    below: list[int] | None = None
 
 
 class FrontendGone(Struct, frozen=True, tag="frontend_gone"):

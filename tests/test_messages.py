@@ -32,6 +32,7 @@ SUBMIT = Submit(request_id="r1", reply_to="p:replies:f1", prompt_ids=[1, 2, 3],
 @pytest.mark.parametrize("decoder, message", [
     (requests_decoder, SUBMIT),
     (control_decoder, Cancel(["r1", "r2"])),
+    (control_decoder, Cancel(["r1", "r2"], [2, 1])),
     (control_decoder, FrontendGone("p:replies:f1")),
     (tokens_decoder, TokenBatch("s1", [StepOutput("r1", "x", 0, [5], [], "stop", ["a"], "a", [
         TokenLogprob(5, -0.1, [TopLogprob(5, -0.1), TopLogprob(6, -2.5)])])],

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from pipeline.messages import (
     FIELD,
+    Cancel,
     Sampling,
     Structure,
     Submit,
@@ -142,3 +143,49 @@ def test_a_submit_delivered_twice_by_a_retried_xadd_runs_once(tier):
     found = deltas()
     offsets = [d.offset for d in found]
     assert sorted(offsets) == sorted(set(offsets)) and sum(len(d.token_ids) for d in found) == 6
+
+
+def test_a_late_copy_of_an_earlier_attempt_leaves_the_later_one_running(tier):
+    """A frontend's first submit retried through a failover can land after the
+    resubmission that superseded it: the scheduler runs the later attempt only, and
+    a cancel of the attempts before it leaves it be."""
+    client, keys, reply_to = _stand_in_frontend(tier, "test-late-copy")
+    first = Submit(request_id="late-1", reply_to=reply_to, prompt_ids=[1, 4093, 198],
+                   sampling=Sampling(max_tokens=24, temperature=0.0, ignore_eos=True))
+    later = msgspec.structs.replace(first, attempt=1)
+    for submit in (later, first):
+        client.xadd(keys.requests, {FIELD: encode(submit)})
+    # as its frontend cancels what came before the resubmission: not the later one
+    client.xadd(keys.control, {FIELD: encode(Cancel(["late-1"], [1]))})
+
+    def deltas():
+        found = [d for _, fields in client.xrange(reply_to) if FIELD in fields
+                 for d in replies_decoder.decode(fields[FIELD]).deltas]
+        return found if any(d.finish for d in found) else None
+
+    found = _wait(deltas)
+    time.sleep(1.0)  # the earlier attempt, had it run, would have produced output by now
+    found = deltas()
+    assert {d.attempt for d in found} == {1}
+    assert sum(len(d.token_ids) for d in found) == 24
+
+
+def test_a_cancel_of_earlier_attempts_stops_the_one_a_scheduler_still_runs(tier):
+    """After a failover its frontend resubmits a request, which may reach another
+    scheduler: the one still running the earlier attempt stops it."""
+    client, keys, reply_to = _stand_in_frontend(tier, "test-superseded")
+    submit = Submit(request_id="superseded-1", reply_to=reply_to, prompt_ids=[1, 4093, 198],
+                    sampling=Sampling(max_tokens=4000, temperature=0.0, ignore_eos=True))
+    client.xadd(keys.requests, {FIELD: encode(submit)})
+
+    def made():
+        count = sum(len(d.token_ids) for _, fields in client.xrange(reply_to) if FIELD in fields
+                    for d in replies_decoder.decode(fields[FIELD]).deltas)
+        return count or None
+
+    _wait(made)
+    client.xadd(keys.control, {FIELD: encode(Cancel(["superseded-1"], [1]))})
+    time.sleep(1.0)  # the cancel read, the last step's tokens out
+    stopped_at = made()
+    time.sleep(1.0)
+    assert made() == stopped_at < 4000

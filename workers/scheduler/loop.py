@@ -287,8 +287,11 @@ class Scheduler:
             log.error("undecodable control entry ignored: %s", error)
             return
         match message:
-            case Cancel(request_ids):
+            case Cancel(request_ids, None):
                 doomed = [r for r in request_ids if r in self.running]
+            case Cancel(request_ids, below):
+                doomed = [r for r, attempt in zip(request_ids, below, strict=False)
+                          if r in self.running and self.running[r].submit.attempt < attempt]
             case FrontendGone(reply_to):
                 doomed = [r for r, run in self.running.items() if run.submit.reply_to == reply_to]
         for request_id in doomed:
@@ -300,9 +303,12 @@ class Scheduler:
         if not first:  # a retried XADD delivered it twice: run it once
             self.to_ack.append(entry)
             return
-        if (old := self.running.pop(submit.request_id, None)) is not None:
+        if (old := self.running.get(submit.request_id)) is not None:
+            if old.submit.attempt > submit.attempt:  # an earlier attempt's late copy
+                self.to_ack.append(entry)
+                return
             self.engine.abort(submit.request_id)  # a newer attempt supersedes it
-            self.to_ack.append(old.entry)
+            self.to_ack.append(self.running.pop(submit.request_id).entry)
         try:
             if submit.deadline_ms is not None and submit.deadline_ms < time.time() * 1000:
                 self.num_expired += 1
