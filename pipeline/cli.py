@@ -62,7 +62,9 @@ RedisUrl = Annotated[str | None, _opt(
     "REDIS_URL", "redis://, rediss:// or unix:// URL, with auth (redis://user:pass@host:6379/0); "
     "Sentinel's, redis+sentinel://[user:pass@]host:26379[,host:port...]/service[/db]; or a "
     "cluster's, redis+cluster://[user:pass@]host:port[,host:port...] (--prefix with a hash "
-    "tag: '{pipeline}').",
+    "tag: '{pipeline}'). rediss+sentinel:// and rediss+cluster:// for TLS, which any "
+    "rediss scheme configures in its query: ?ssl_ca_certs=CA.crt&ssl_certfile=...&"
+    "ssl_keyfile=...&ssl_cert_reqs=required&ssl_check_hostname=true.",
     callback=_redis_url)]
 Prefix = Annotated[str, _opt("PREFIX", "Key prefix shared by every worker of one tier.")]
 Model = Annotated[str, _opt("MODEL", f"A local HF model directory, or {DEFAULT_MODEL}.")]

@@ -1,4 +1,5 @@
-# A tier on a Redis Cluster (redis+cluster://[[user]:password@]host:port[,host:port...]):
+# A tier on a Redis Cluster (redis+cluster://[[user]:password@]host:port[,host:port...];
+# rediss+cluster:// for TLS, with pipeline/redis_tls.py's settings in its query):
 # its prefix holds a hash tag ({pipeline}), so every key of the tier is in one slot and
 # its transactions and Lua scripts run on one node, the master of that slot. A connection
 # asks the cluster which node that is when it connects (CLUSTER SLOTS, of the nodes given
@@ -9,7 +10,7 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
 import redis
@@ -24,7 +25,9 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-SCHEME = "redis+cluster"
+from pipeline.redis_tls import tls_options
+
+SCHEMES = {"redis+cluster": False, "rediss+cluster": True}  # scheme -> TLS
 ELSEWHERE = (MovedError, AskError, ClusterDownError, TryAgainError, ReadOnlyError)
 
 
@@ -33,26 +36,30 @@ class ClusterUrl:
     nodes: list[tuple[str, int]]
     username: str | None = None
     password: str | None = None
+    tls: dict = field(default_factory=dict)  # redis_tls.tls_options: ssl=True and its files
 
     @property
     def login(self) -> dict:
-        return {"username": self.username, "password": self.password}
+        """Every connection's options: the credentials, and TLS's where asked."""
+        return {"username": self.username, "password": self.password, **self.tls}
 
 
 def cluster_url(url: str) -> ClusterUrl | None:
     """`url` read as a cluster's; None for any other scheme. A ValueError names what a
     cluster URL lacks."""
     parts = urlsplit(url)
-    if parts.scheme != SCHEME:
+    if parts.scheme not in SCHEMES:
         return None
     nodes = [host.rpartition(":") for host in parts.netloc.rpartition("@")[2].split(",")]
     if not all(name and port.isdigit() for name, _, port in nodes) or parts.path not in ("",
                                                                                       "/", "/0"):
-        raise ValueError(f"a cluster URL is {SCHEME}://[[user]:password@]host:port"
-                         f"[,host:port...] (database 0, a cluster's only), not {url!r}")
+        raise ValueError(f"a cluster URL is redis[s]+cluster://[[user]:password@]host:port"
+                         f"[,host:port...][?TLS settings] (database 0, a cluster's only), "
+                         f"not {url!r}")
     return ClusterUrl([(name, int(port)) for name, _, port in nodes],
                       unquote(parts.username) if parts.username else None,
-                      unquote(parts.password) if parts.password else None)
+                      unquote(parts.password) if parts.password else None,
+                      tls_options(parts.query, SCHEMES[parts.scheme], url))
 
 
 def tier_slot(prefix: str | None) -> int:
@@ -153,12 +160,18 @@ class SlotConnection(redis.asyncio.Connection):
             raise ConnectionError(f"the tier's slot is not served here now: {error}") from error
 
 
+class TlsSlotConnection(SlotConnection, redis.asyncio.SSLConnection):
+    """A SlotConnection over TLS (rediss+cluster://)."""
+
+
 def async_cluster_client(cluster: ClusterUrl, prefix: str | None, *, max_connections: int,
                          timeout: float, **options) -> redis.asyncio.Redis:
     finder = SlotFinder(cluster, tier_slot(prefix), options.get("socket_connect_timeout"))
+    login = dict(cluster.login)
+    tls = login.pop("ssl", False)  # a pool's connections take TLS by their class
     return redis.asyncio.Redis.from_pool(redis.asyncio.BlockingConnectionPool(
-        connection_class=SlotConnection, finder=finder, max_connections=max_connections,
-        timeout=timeout, **cluster.login, **options))
+        connection_class=TlsSlotConnection if tls else SlotConnection, finder=finder,
+        max_connections=max_connections, timeout=timeout, **login, **options))
 
 
 def sync_cluster_client(cluster: ClusterUrl, prefix: str | None, **options) -> redis.Redis:

@@ -1,14 +1,14 @@
 # Clients for a Redis URL: those redis-py reads (redis://, rediss://, unix://), a
 # cluster's (pipeline/redis_cluster.py), and Sentinel's,
-# redis+sentinel://[[user]:password@]host:port[,host:port...]/service[/db]
-# (rediss+sentinel: TLS to the master), whose master is asked of the sentinels, so that
-# after a failover each connection that fails finds the new one (a demoted master's
-# READONLY counts as a lost connection). The credentials are the master's; the
-# sentinels are reached without.
+# redis+sentinel://[[user]:password@]host:port[,host:port...]/service[/db] (rediss+sentinel:
+# TLS to the master, with pipeline/redis_tls.py's settings), whose master is asked of the
+# sentinels, so that after a failover each connection that fails finds the new one (a
+# demoted master's READONLY counts as a lost connection). The credentials are the
+# master's; the sentinels are reached without.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
 import redis
@@ -16,6 +16,7 @@ import redis.asyncio
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 
 from pipeline.redis_cluster import async_cluster_client, cluster_url, sync_cluster_client
+from pipeline.redis_tls import tls_options
 
 SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}  # scheme -> TLS
 SENTINEL_PORT = 26379
@@ -28,12 +29,16 @@ class SentinelUrl:
     db: int = 0
     username: str | None = None
     password: str | None = None
-    ssl: bool = False
+    tls: dict = field(default_factory=dict)  # redis_tls.tls_options: ssl=True and its files
+
+    @property
+    def ssl(self) -> bool:
+        return bool(self.tls.get("ssl"))
 
     @property
     def master_options(self) -> dict:
         return {"db": self.db, "username": self.username, "password": self.password,
-                "ssl": self.ssl}
+                **self.tls}
 
 
 def sentinel_url(url: str) -> SentinelUrl | None:
@@ -46,11 +51,11 @@ def sentinel_url(url: str) -> SentinelUrl | None:
     path = [unquote(part) for part in parts.path.split("/") if part]
     if not sentinels or not path or len(path) > 2:
         raise ValueError(f"a Sentinel URL is {next(iter(SCHEMES))}://[[user]:password@]"
-                         f"host:port[,host:port...]/service[/db], not {url!r}")
+                         f"host:port[,host:port...]/service[/db][?TLS settings], not {url!r}")
     return SentinelUrl(sentinels, path[0], int(path[1]) if len(path) > 1 else 0,
                        unquote(parts.username) if parts.username else None,
                        unquote(parts.password) if parts.password else None,
-                       SCHEMES[parts.scheme])
+                       tls_options(parts.query, SCHEMES[parts.scheme], url))
 
 
 def _address(host: str) -> tuple[str, int]:

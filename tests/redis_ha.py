@@ -126,36 +126,77 @@ def _cluster_port() -> int:
                 continue
 
 
-class Cluster(Servers):
-    """A Redis Cluster of 3 masters, each with a replica (a real Redis each, on free
-    ports, node timeout 1 s), in `directory`."""
+class Certs:
+    """A private CA and a certificate it signed for 127.0.0.1, made by openssl in
+    `directory`: what a Redis serving TLS needs, and what its clients trust."""
 
     def __init__(self, directory: Path):
+        self.ca, self.cert, self.key = (directory / name for name in ("ca.crt", "redis.crt",
+                                                                     "redis.key"))
+        ca_key, request, ext = directory / "ca.key", directory / "redis.csr", directory / "ext"
+        ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        for args in (["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key,
+                      "-out", self.ca, "-days", "2", "-subj", "/CN=pipeline-test-ca"],
+                     ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", self.key, "-out",
+                      request, "-subj", "/CN=127.0.0.1"],
+                     ["x509", "-req", "-in", request, "-CA", self.ca, "-CAkey", ca_key,
+                      "-CAcreateserial", "-out", self.cert, "-days", "2", "-extfile", ext]):
+            subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True)
+
+    def server_args(self, port: int) -> list[str]:
+        """A redis-server's arguments to serve TLS alone on `port`."""
+        return ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(self.cert),
+                "--tls-key-file", str(self.key), "--tls-ca-cert-file", str(self.ca),
+                "--tls-auth-clients", "no"]
+
+    @property
+    def client_options(self) -> dict:
+        return {"ssl": True, "ssl_ca_certs": str(self.ca)}
+
+
+class Cluster(Servers):
+    """A Redis Cluster of 3 masters, each with `replicas` replicas (a real Redis each,
+    on free ports, node timeout 1 s), in `directory`; over TLS alone with `certs`."""
+
+    def __init__(self, directory: Path, replicas: int = 1, certs: Certs | None = None):
         self.directory = directory
         self.binary = shutil.which("redis-server") or str(redis_server_binary())
-        self.ports = [_cluster_port() for _ in range(6)]
+        self.replicas, self.certs = replicas, certs
+        self.ports = [_cluster_port() for _ in range(3 * (1 + replicas))]
         self.procs: dict[int, subprocess.Popen] = {}
+        self.client_options = certs.client_options if certs else {}
 
     @property
     def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.ports[:2])
+        nodes = ",".join(f"127.0.0.1:{port}" for port in self.ports[:2])
+        if self.certs is None:
+            return f"redis+cluster://{nodes}"
+        return f"rediss+cluster://{nodes}?ssl_ca_certs={self.certs.ca}"
+
+    def _node(self, port: int) -> redis.Redis:
+        return redis.Redis(port=port, socket_timeout=1, **self.client_options)
 
     def start(self, timeout_s: float = 30) -> str:
         for port in self.ports:
             home = self.directory / str(port)
             home.mkdir()
             log = open(home / "log", "w")
+            listen = (["--port", str(port)] if self.certs is None else
+                      [*self.certs.server_args(port), "--tls-cluster", "yes",
+                       "--tls-replication", "yes"])
             self.procs[port] = subprocess.Popen(
-                [self.binary, "--port", str(port), "--cluster-enabled", "yes",
+                [self.binary, *listen, "--cluster-enabled", "yes",
                  "--cluster-node-timeout", "1000", "--dir", str(home), "--save", "",
                  "--appendonly", "no"], stdout=log, stderr=subprocess.STDOUT)
         cli = str(Path(self.binary).with_name("redis-cli"))
+        tls = [] if self.certs is None else ["--tls", "--cacert", str(self.certs.ca)]
         deadline = time.monotonic() + timeout_s
         while not all(self._answers(port) for port in self.ports):
             assert time.monotonic() < deadline, f"nodes not up; logs in {self.directory}"
             time.sleep(0.1)
-        made = subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
-                               "--cluster-replicas", "1", "--cluster-yes"],
+        made = subprocess.run([cli, *tls, "--cluster", "create",
+                               *(f"127.0.0.1:{p}" for p in self.ports),
+                               "--cluster-replicas", str(self.replicas), "--cluster-yes"],
                               capture_output=True, text=True, timeout=60)
         assert made.returncode == 0, made.stdout + made.stderr
         while not self._ready():
@@ -165,14 +206,14 @@ class Cluster(Servers):
 
     def _answers(self, port: int) -> bool:
         try:
-            return redis.Redis(port=port, socket_timeout=1).ping()
+            return self._node(port).ping()
         except redis.RedisError:
             return False
 
     def _ready(self) -> bool:
         """Every node says the cluster is ok, and every replica is in step."""
         for port in self.ports:
-            node = redis.Redis(port=port, socket_timeout=1)
+            node = self._node(port)
             if node.execute_command("CLUSTER INFO").get("cluster_state") != "ok":
                 return False
             link = node.info("replication")
@@ -182,7 +223,7 @@ class Cluster(Servers):
 
     def master_of(self, prefix: str) -> int:
         """The port of the master that serves `prefix`'s slot now."""
-        node = redis.Redis(port=next(p for p in self.ports if p in self.procs), socket_timeout=1)
+        node = self._node(next(p for p in self.ports if p in self.procs))
         slot = node.execute_command("CLUSTER KEYSLOT", f"{prefix}:x")  # the server's count
         found = master_of_slot(node.execute_command("CLUSTER SLOTS"), slot)
         assert found is not None, f"no master serves {prefix}'s slot"
@@ -193,7 +234,7 @@ class Cluster(Servers):
         catch up), once the cluster has promoted the replica: the new master's port."""
         old = self.master_of(prefix)
         with contextlib.suppress(redis.ConnectionError):
-            redis.Redis(port=old).shutdown(nosave=True)
+            self._node(old).shutdown(nosave=True)
         self.procs.pop(old).wait(timeout=30)
         deadline = time.monotonic() + timeout_s
         while self.master_of(prefix) == old:
