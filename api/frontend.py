@@ -272,6 +272,7 @@ class Frontend:
         changed = None not in (run_id, self.redis_run_id) and run_id != self.redis_run_id
         self.redis_run_id = run_id
         if changed:
+            self.metrics.redis_changes.inc()
             await self._resubmit_all("Redis is another server now (a failover or a restart)")
         return changed
 

@@ -79,8 +79,11 @@ class Metrics:
                              "Time from submit to a generation's end, by service tier",
                              ["service_tier"], buckets=SECONDS, registry=own)
         self.resubmits = Counter("pipeline_resubmits",
-                                 "Requests resubmitted after their scheduler died",
-                                 registry=own)
+                                 "Requests resubmitted after their scheduler died, a drain "
+                                 "handed them back, or Redis failed over", registry=own)
+        self.redis_changes = Counter("pipeline_redis_server_changes",
+                                     "Times the Redis behind --redis-url was another server "
+                                     "than before (a failover, or a restart)", registry=own)
 
     def http(self, path: str, code: int, seconds: float) -> None:
         route = (path if path in ROUTES else MODEL if path.startswith("/v1/models/")

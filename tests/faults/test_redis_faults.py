@@ -7,6 +7,7 @@ import asyncio
 import shutil
 import time
 
+import httpx
 import pytest
 from redis.exceptions import ResponseError
 
@@ -93,6 +94,8 @@ def test_a_redis_back_without_its_last_writes_is_survived_by_resubmission(own_re
                      took_s=round(took_s, 2))
     assert figures["lost"] == 0 and figures["differing"] == 0, [o.error for o in got]
     assert all(proc.poll() is None for proc in tier.procs)
+    scraped = httpx.get(f"{url}/metrics", timeout=10).text
+    assert "pipeline_redis_server_changes_total 1.0" in scraped
 
 
 @pytest.fixture
