@@ -137,13 +137,17 @@ class SlotConnection(redis.asyncio.Connection):
 
     async def connect(self):
         """As redis-py's, each try asking the cluster again (not the same address
-        tried again: the master that died, until the cluster promotes another)."""
+        tried again: the master that died, until the cluster promotes another). The
+        pool calls it at each checkout: a connection to a master the finder no longer
+        names connects anew, so that one MOVED moves them all."""
         await self.retry.call_with_retry(self._connect_to_master,
                                          lambda _error: asyncio.sleep(0))
 
     async def _connect_to_master(self):
         if self.is_connected:
-            return
+            if self.finder.known in (None, (self.host, self.port)):
+                return
+            await self.disconnect()  # another connection found the slot's new master
         self.host, self.port = await self.finder.master()
         try:
             await self.connect_check_health(check_health=True, retry_socket_connect=False)

@@ -96,7 +96,9 @@ async def forever(step: Callable[[], Awaitable[None]], name: str,
                   on_reconnect: Callable[[], Awaitable[None]] | None = None,
                   until: Callable[[], bool] = lambda: False) -> None:
     """Run `step` in a loop until `until()`; after Redis trouble back off, then
-    `on_reconnect` (recreate groups, re-read own pending entries) and go on."""
+    `on_reconnect` (recreate groups, re-read own pending entries) and go on. A group
+    gone (NOGROUP), or a blocked read's stream deleted under it (UNBLOCKED), is
+    trouble of that kind too."""
     while not until():
         try:
             await step()
@@ -104,9 +106,12 @@ async def forever(step: Callable[[], Awaitable[None]], name: str,
             log.warning("%s: Redis unavailable (%s); reconnecting", name, error)
             await asyncio.sleep(backoff_s(1))
         except ResponseError as error:
-            if "NOGROUP" not in str(error):
+            if "NOGROUP" in str(error):
+                log.warning("%s: consumer group gone (Redis restarted empty?); rejoining", name)
+            elif str(error).startswith("UNBLOCKED"):  # a blocked read's stream was deleted
+                log.warning("%s: %s (a slot's migration, or a DEL); rejoining", name, error)
+            else:
                 raise
-            log.warning("%s: consumer group gone (Redis restarted empty?); rejoining", name)
         else:
             continue
         if on_reconnect is not None:

@@ -242,6 +242,24 @@ class Cluster(Servers):
         assert found is not None, f"no master serves {prefix}'s slot"
         return found[1]
 
+    def migrate(self, prefix: str) -> int:
+        """`prefix`'s slot moved to another master, its keys by MIGRATE, as a resharding
+        moves a slot: the new master's port."""
+        source = self.master_of(prefix)
+        node = self._node(source)
+        slot = node.execute_command("CLUSTER KEYSLOT", f"{prefix}:x")
+        masters = sorted({master_of_slot(node.execute_command("CLUSTER SLOTS"), at)[1]
+                          for at in (0, 8000, 16383)})
+        target = next(port for port in masters if port != source)
+        ids = {port: self._node(port).execute_command("CLUSTER MYID") for port in masters}
+        self._node(target).execute_command("CLUSTER SETSLOT", slot, "IMPORTING", ids[source])
+        node.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", ids[target])
+        while keys := node.execute_command("CLUSTER GETKEYSINSLOT", slot, 100):
+            node.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
+        for port in masters:  # the owner first, then the rest
+            self._node(port).execute_command("CLUSTER SETSLOT", slot, "NODE", ids[target])
+        return target
+
     def fail_over(self, prefix: str, timeout_s: float = 30) -> int:
         """The master of `prefix`'s slot gone (SHUTDOWN, which waits for its replica to
         catch up), once the cluster has promoted the replica: the new master's port."""

@@ -1,7 +1,7 @@
 """A tier on a Redis Cluster (redis+cluster:// URLs, a prefix with a hash tag): every
 key in one slot, it serves through that slot's master, found from any node, and goes on
-after that master dies and the cluster promotes its replica. A prefix without a hash
-tag is a usage error."""
+after that master dies and the cluster promotes its replica, and after a resharding
+moves its slot to another master. A prefix without a hash tag is a usage error."""
 
 from __future__ import annotations
 
@@ -40,3 +40,16 @@ def test_a_tier_on_a_cluster_serves_on_after_its_slots_master_fails_over(cluster
         assert cluster.fail_over(prefix) != old
 
     serves_through_failover(cluster.url, prefix, tmp_path, fail_over)
+
+
+def test_a_tier_on_a_cluster_serves_on_through_its_slots_migration(model_files, tmp_path):
+    """A resharding moves the tier's slot, keys and all, to another master: a read
+    blocked on a stream that moved away is unblocked (UNBLOCKED, a rejoin, not a
+    crash), and a MOVED that one connection gets sends the others to the new master."""
+    prefix = tier_prefix(tagged=True)
+    with Cluster(tmp_path, replicas=0) as cluster:
+        def migrate() -> None:
+            old = cluster.master_of(prefix)
+            assert cluster.migrate(prefix) != old and cluster.master_of(prefix) != old
+
+        serves_through_failover(cluster.url, prefix, tmp_path, migrate)
