@@ -4,8 +4,8 @@
 # TLS to the sentinels and the master, with pipeline/redis_tls.py's settings;
 # ?sentinel_tls=false: to the master alone), whose master is asked of the sentinels, so
 # that after a failover each connection that fails finds the new one (a demoted master's
-# READONLY counts as a lost connection). The credentials are the master's; the
-# sentinels are reached without.
+# READONLY counts as a lost connection, as it does on a plain URL: ReadOnlyIsLost). The
+# credentials are the master's; the sentinels are reached without.
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 import redis
 import redis.asyncio
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.exceptions import ConnectionError, ReadOnlyError
 
 from pipeline.redis_cluster import async_cluster_client, cluster_url, sync_cluster_client
 from pipeline.redis_tls import tls_options
@@ -85,6 +86,37 @@ class BlockingSentinelPool(SentinelConnectionPool, redis.asyncio.BlockingConnect
     """Sentinel's pool, waiting for a free connection as BlockingConnectionPool does."""
 
 
+class ReadOnlyIsLost:
+    """A connection that takes a demoted master's READONLY for a lost connection: a
+    managed Redis fails over by moving its endpoint's name to the promoted replica,
+    and a connection still open to the old master finds it a replica. Dropped, it
+    connects anew, through the name, to the new master."""
+
+    async def read_response(self, *args, **kwargs):
+        try:
+            return await super().read_response(*args, **kwargs)
+        except ReadOnlyError as error:
+            await self.disconnect()
+            raise ConnectionError(f"the server is a replica now: {error}") from error
+
+
+class ReadOnlyIsLostTcp(ReadOnlyIsLost, redis.asyncio.Connection):
+    pass
+
+
+class ReadOnlyIsLostTls(ReadOnlyIsLost, redis.asyncio.SSLConnection):
+    pass
+
+
+class ReadOnlyIsLostUnix(ReadOnlyIsLost, redis.asyncio.UnixDomainSocketConnection):
+    pass
+
+
+FOLLOWING = {redis.asyncio.Connection: ReadOnlyIsLostTcp,
+             redis.asyncio.SSLConnection: ReadOnlyIsLostTls,
+             redis.asyncio.UnixDomainSocketConnection: ReadOnlyIsLostUnix}
+
+
 def async_client(url: str, *, max_connections: int, timeout: float, prefix: str | None = None,
                  **options) -> redis.asyncio.Redis:
     """An asyncio client whose pool holds `max_connections` at most, a command waiting
@@ -95,8 +127,10 @@ def async_client(url: str, *, max_connections: int, timeout: float, prefix: str 
                                     timeout=timeout, **options)
     found = sentinel_url(url)
     if found is None:
-        return redis.asyncio.Redis.from_pool(redis.asyncio.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=timeout, **options))
+        pool = redis.asyncio.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout, **options)
+        pool.connection_class = FOLLOWING.get(pool.connection_class, pool.connection_class)
+        return redis.asyncio.Redis.from_pool(pool)
     manager = Sentinel(found.sentinels, sentinel_kwargs=found.sentinel_options(
         socket_timeout=options.get("socket_timeout"),
         socket_connect_timeout=options.get("socket_connect_timeout")))

@@ -97,8 +97,8 @@ async def forever(step: Callable[[], Awaitable[None]], name: str,
                   until: Callable[[], bool] = lambda: False) -> None:
     """Run `step` in a loop until `until()`; after Redis trouble back off, then
     `on_reconnect` (recreate groups, re-read own pending entries) and go on. A group
-    gone (NOGROUP), or a blocked read's stream deleted under it (UNBLOCKED), is
-    trouble of that kind too."""
+    gone (NOGROUP), or a blocked read's stream deleted or its master demoted under it
+    (UNBLOCKED), is trouble of that kind too."""
     while not until():
         try:
             await step()
@@ -108,8 +108,10 @@ async def forever(step: Callable[[], Awaitable[None]], name: str,
         except ResponseError as error:
             if "NOGROUP" in str(error):
                 log.warning("%s: consumer group gone (Redis restarted empty?); rejoining", name)
-            elif str(error).startswith("UNBLOCKED"):  # a blocked read's stream was deleted
-                log.warning("%s: %s (a slot's migration, or a DEL); rejoining", name, error)
+            elif str(error).startswith("UNBLOCKED"):  # a blocked read: its stream deleted,
+                # or its master demoted to a replica
+                log.warning("%s: %s (a slot's migration, a DEL, or a master demoted); "
+                            "rejoining", name, error)
             else:
                 raise
         else:

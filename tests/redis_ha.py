@@ -4,11 +4,13 @@ a real Redis process on free ports; and a tier served through a failover of eith
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -277,6 +279,48 @@ class Cluster(Servers):
         for proc in self.procs.values():
             proc.kill()
             proc.wait()
+
+
+class Proxy:
+    """A TCP proxy on a free port to `target`, a port that `point_at` changes for the
+    connections made after it (those made before stay where they are): what a managed
+    Redis's failover does to its endpoint's DNS name, the old master a replica now."""
+
+    def __init__(self, target: int):
+        self.target, self.port = target, free_port()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def point_at(self, target: int) -> None:
+        self.target = target
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        with contextlib.suppress(OSError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def _serve(self, reader, writer) -> None:
+        try:
+            upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1",
+                                                                             self.target)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(self._pipe(reader, upstream_writer),
+                             self._pipe(upstream_reader, writer))
+
+    def __enter__(self):
+        self.thread.start()
+        self.server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._serve, "127.0.0.1", self.port), self.loop).result(10)
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
 
 
 def usage_error(*args: str) -> str:

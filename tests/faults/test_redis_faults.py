@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -15,7 +16,9 @@ from pipeline.embedded_redis import redis_server_binary
 from pipeline.messages import FIELD, Delta, ReplyBatch
 from pipeline.streams import StreamClient
 from tests.faults.clients import prompts, report, stream_many
-from tests.faults.conftest import RedisServer
+from tests.faults.conftest import FAST_DEATH, RedisServer
+from tests.harness import Tier
+from tests.redis_ha import Proxy, completion_text, story
 
 
 def _start(make_tier, server, **options):
@@ -96,6 +99,46 @@ def test_a_redis_back_without_its_last_writes_is_survived_by_resubmission(own_re
     assert all(proc.poll() is None for proc in tier.procs)
     scraped = httpx.get(f"{url}/metrics", timeout=10).text
     assert "pipeline_redis_server_changes_total 1.0" in scraped
+
+
+def test_a_failover_behind_one_address_is_followed_by_every_role(tmp_path):
+    """A managed Redis's failover, one endpoint whose name moves to the promoted
+    replica (here a proxy): the old master is a replica now, so the connections still
+    open to it are refused writes (READONLY) while new ones reach the new master.
+    Every role takes READONLY for a lost connection and reconnects; a long request in
+    flight ends with its undisturbed text."""
+    binary = shutil.which("redis-server") or str(redis_server_binary())
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    old, new = RedisServer(binary, tmp_path / "old"), RedisServer(binary, tmp_path / "new")
+    old.start()
+    new.start()
+    try:
+        new.client().replicaof("127.0.0.1", old.port)
+        deadline = time.monotonic() + 30
+        while new.client().info("replication")["master_link_status"] != "up":
+            assert time.monotonic() < deadline, "the replica did not catch up"
+            time.sleep(0.1)
+        with Proxy(old.port) as endpoint, ThreadPoolExecutor(1) as pool:
+            tier = Tier(f"redis://127.0.0.1:{endpoint.port}/0", "fault-endpoint", tmp_path,
+                        **FAST_DEATH)
+            try:
+                url = tier.start_one_of_each()
+                before, undisturbed = completion_text(url), story(url)
+                in_flight = pool.submit(story, url)
+                time.sleep(1.0)
+                assert not in_flight.done()
+                new.client().replicaof("NO", "ONE")  # promoted
+                old.client().replicaof("127.0.0.1", new.port)  # and the old master demoted
+                endpoint.point_at(new.port)
+                assert in_flight.result(timeout=120) == undisturbed
+                assert completion_text(url) == before
+                assert all(proc.poll() is None for proc in tier.procs)
+            finally:
+                tier.stop()  # before its Redis and the endpoint go
+    finally:
+        old.stop()
+        new.stop()
 
 
 @pytest.fixture
