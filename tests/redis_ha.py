@@ -317,10 +317,18 @@ class Proxy:
             asyncio.start_server(self._serve, "127.0.0.1", self.port), self.loop).result(10)
         return self
 
+    async def _close(self) -> None:
+        self.server.close()
+        piping = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in piping:
+            task.cancel()
+        await asyncio.gather(*piping, return_exceptions=True)
+
     def __exit__(self, *_exc) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
+        asyncio.run_coroutine_threadsafe(self._close(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        self.loop.close()
 
 
 def usage_error(*args: str) -> str:
