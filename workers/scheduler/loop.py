@@ -308,7 +308,8 @@ class Scheduler:
                 self.to_ack.append(entry)
                 return
             self.engine.abort(submit.request_id)  # a newer attempt supersedes it
-            self.to_ack.append(self.running.pop(submit.request_id).entry)
+            del self.running[submit.request_id]
+            self.to_ack.append(old.entry)
         try:
             if submit.deadline_ms is not None and submit.deadline_ms < time.time() * 1000:
                 self.num_expired += 1
