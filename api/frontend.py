@@ -135,7 +135,7 @@ class Frontend:
             raise Overloaded(f"{ahead} requests are waiting for a scheduler; retry shortly")
         request_id = request_id or uuid.uuid4().hex
         timeout_s = self.config.request_timeout_s if timeout_s is None else timeout_s
-        deadline_ms = int((time.time() + timeout_s) * 1000)
+        deadline_ms = int((self.client.clock.now_s() + timeout_s) * 1000)  # the tier's clock
         submit = Submit(request_id=request_id, reply_to=self.reply_to, prompt_ids=prompt_ids,
                         sampling=sampling, deadline_ms=deadline_ms,
                         stream_interval=stream_interval, service_tier=service_tier,

@@ -75,7 +75,7 @@ async def metrics(s: ServedDep):
     frontend = s.frontend
     try:
         async with asyncio.timeout(HEALTH_TIMEOUT_S):
-            workers = await read_live_workers(frontend.client.redis, frontend.keys.prefix)
+            workers = await read_live_workers(frontend.client, frontend.keys.prefix)
     except Exception:  # pipeline_redis_up 0; the api's own figures still say something
         workers = None
     queued = dict(zip(TIERS, frontend.queue_depths, strict=True))

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-_COMMON = ["ping", "hello", "client|setname", "info", "select",
+_COMMON = ["ping", "hello", "client|setname", "info", "select", "time",
            "set", "del", "exists", "get", "mget", "xinfo", "xrange", "xrevrange", "xlen",
            "zadd", "zrem", "zrangebyscore", "zremrangebyscore"]  # the workers index
 _GROUP_READER = ["xreadgroup", "xack", "xgroup", "xclaim", "xpending", "xtrim",

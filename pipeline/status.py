@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable
 
 import redis
-import redis.asyncio
 from rich import box
 from rich.console import Console
 from rich.table import Column, Table
@@ -26,7 +25,8 @@ def live_workers(redis_url: str, prefix: str) -> list[dict]:
     client = sync_client(redis_url, prefix, socket_timeout=5)
     keys = Keys(prefix)
     try:
-        found = client.zrangebyscore(keys.workers, time.time() - WORKERS_KEPT_S, "+inf")
+        found = client.zrangebyscore(keys.workers, server_now_s(client) - WORKERS_KEPT_S,
+                                     "+inf")
         if not found:
             found = list(client.scan_iter(match=keys.alive_pattern(), count=1000))
         values = client.mget(sorted(found)) if found else []
@@ -35,12 +35,30 @@ def live_workers(redis_url: str, prefix: str) -> list[dict]:
     return records(values)
 
 
-async def read_live_workers(client: redis.asyncio.Redis, prefix: str) -> list[dict]:
-    """As live_workers, on the caller's client: the alive keys the index has
-    seen lately, read in one MGET (an expired one reads as nothing)."""
-    keys = await client.zrangebyscore(Keys(prefix).workers, time.time() - WORKERS_KEPT_S,
-                                      "+inf")
-    return records(await client.mget(sorted(keys)) if keys else [])
+async def read_live_workers(client: StreamClient, prefix: str) -> list[dict]:
+    """As live_workers, on the caller's client (and its Redis clock): the alive keys
+    the index has seen lately, read in one MGET (an expired one reads as nothing)."""
+    keys = await client.redis.zrangebyscore(Keys(prefix).workers,
+                                            client.clock.now_s() - WORKERS_KEPT_S, "+inf")
+    return records(await client.redis.mget(sorted(keys)) if keys else [])
+
+
+def server_now_s(client: redis.Redis) -> float:
+    """The Redis clock (pipeline.clock), which heartbeats are timed by; this host's
+    where the server refuses TIME."""
+    try:
+        seconds, microseconds = client.time()
+    except redis.ResponseError:
+        return time.time()
+    return seconds + microseconds / 1e6
+
+
+def tier_now_s(redis_url: str, prefix: str) -> float:
+    client = sync_client(redis_url, prefix, socket_timeout=5)
+    try:
+        return server_now_s(client)
+    finally:
+        client.close()
 
 
 def records(values: list[bytes | None]) -> list[dict]:
@@ -79,6 +97,7 @@ def print_status(redis_url: str, prefix: str, as_json: bool = False) -> int:
     try:
         workers = live_workers(redis_url, prefix)
         by_tier = queued_requests(redis_url, prefix)
+        now_s = tier_now_s(redis_url, prefix)
     except redis.RedisError as error:
         console.print(f"[red]cannot reach Redis at {redis_url}: {error}[/red]")
         return 1
@@ -98,7 +117,7 @@ def print_status(redis_url: str, prefix: str, as_json: bool = False) -> int:
     for role in ROLES:
         if role not in by_role:
             console.print(f"[red]no live {role}: {MISSING[role]}[/red]")
-    seen = _seen(time.time())
+    seen = _seen(now_s)
     tables = [(role, role, {"seen": seen} | COLUMNS.get(role, {"record": _other}))
               for role in by_role] + [("scheduler", "engines and caches", ENGINE)]
     for role, title, columns in tables:

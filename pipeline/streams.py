@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from pipeline.clock import RedisClock
 from pipeline.messages import FIELD, encode
 from pipeline.redis_url import async_client
 
@@ -34,8 +34,7 @@ SCHEDULERS = "schedulers"
 # lane and those before it
 TIERS = ("priority", "default", "flex")
 DETOKENIZERS = "detokenizers"
-# a worker silent this long leaves Keys.workers; readers look back as far, so
-# hosts' clocks may differ by less than this
+# a worker silent this long leaves Keys.workers (scored by the Redis clock)
 WORKERS_KEPT_S = 3600.0
 
 
@@ -203,6 +202,7 @@ class StreamClient:
             socket_timeout=max(5.0, 2 * block_ms / 1000), socket_connect_timeout=5.0,
             health_check_interval=30,
         )
+        self.clock = RedisClock()  # synced at each heartbeat
 
     def reader(self) -> StreamClient:
         return StreamClient(self.url, block_ms=self.block_ms, prefix=self.prefix)
@@ -311,8 +311,10 @@ class StreamClient:
 
     async def heartbeat(self, key: str, info: dict, ttl_s: float, index: str) -> None:
         """The liveness key, and its place in `index` (Keys.workers), whose members
-        of over WORKERS_KEPT_S ago are dropped: the key's TTL says who is alive."""
-        now = time.time()
+        of over WORKERS_KEPT_S ago are dropped: the key's TTL says who is alive.
+        It reads the Redis clock first, so the record's time is the tier's."""
+        await self.clock.sync(self.redis)
+        now = self.clock.now_s()
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(key, json.dumps(info | {"at": now}), px=int(ttl_s * 1000))
             pipe.zadd(index, {key: now})

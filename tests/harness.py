@@ -67,20 +67,22 @@ class Tier:
         self.procs: list[subprocess.Popen] = []
         self.api_ports: list[int] = []
 
-    def start(self, role: str, **options) -> subprocess.Popen:
+    def start(self, role: str, *, env: dict[str, str] | None = None,
+              **options) -> subprocess.Popen:
+        """`env`: more environment variables for this worker alone."""
         cmd = [sys.executable, "-m", "pipeline.cli", "worker", "--role", role,
                "--redis-url", self.redis_url, "--prefix", self.prefix]
         for name, value in (self.options | options).items():
             cmd += [f"--{name}"] if value is True else [f"--{name}", str(value)]  # True: a flag
         log = open(self.log_dir / f"{role}-{len(self.procs)}.log", "w")
-        env = worker_env() | {"TOKENIZERS_PARALLELISM": "false"}
+        env = worker_env() | {"TOKENIZERS_PARALLELISM": "false"} | (env or {})
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.procs.append(proc)
         return proc
 
-    def start_api(self, **options) -> str:
+    def start_api(self, *, env: dict[str, str] | None = None, **options) -> str:
         port = free_port()
-        self.start("api", port=port, **options)
+        self.start("api", env=env, port=port, **options)
         self.api_ports.append(port)
         return f"http://127.0.0.1:{port}"
 

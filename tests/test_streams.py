@@ -113,7 +113,7 @@ async def test_live_workers_come_from_the_index_without_a_scan(prefix):
         scans = _calls(url, "scan")
         assert sorted(w["role"] for w in live_workers(url, prefix)) == ["api", "scheduler"]
         await asyncio.sleep(0.3)  # the api's key expires
-        assert [w["role"] for w in await read_live_workers(client.redis, prefix)] == ["scheduler"]
+        assert [w["role"] for w in await read_live_workers(client, prefix)] == ["scheduler"]
         assert _calls(url, "scan") == scans
         assert await client.redis.zscore(keys.workers, stale) is not None
         await client.heartbeat(keys.alive("scheduler", "scheduler-1"),

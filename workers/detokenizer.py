@@ -97,7 +97,7 @@ class Detokenizer:
         if self.drain_deadline is not None:
             self.schedulers_busy = any(
                 w.get("role") == "scheduler" and w.get("num_running")
-                for w in await read_live_workers(self.client.redis, self.keys.prefix))
+                for w in await read_live_workers(self.client, self.keys.prefix))
         min_idle_ms = int(self.config.redis.alive_ttl_s * 1000)
         for name, pending in await dead_consumers(self.client, self.keys, self.keys.tokens,
                                                   DETOKENIZERS, "detokenizer", self.worker_id):

@@ -81,6 +81,7 @@ class Scheduler:
         self.compile_limit_s = config.scheduler.grammar_timeout_s
 
     async def join(self) -> None:
+        await self.client.clock.sync(self.client.redis)  # deadlines are in the Redis clock
         await self.client.ensure_group(self.keys.tokens, DETOKENIZERS)
         await self.lanes.join(self.client)
         if self.control_id == "$":
@@ -311,7 +312,7 @@ class Scheduler:
             del self.running[submit.request_id]
             self.to_ack.append(old.entry)
         try:
-            if submit.deadline_ms is not None and submit.deadline_ms < time.time() * 1000:
+            if submit.deadline_ms is not None and submit.deadline_ms < self.client.clock.now_ms():
                 self.num_expired += 1
                 raise RequestTimeout("the request expired before a scheduler could start it")
             check_submit(submit, self.tokenizer.vocab_size)
