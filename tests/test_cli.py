@@ -124,14 +124,16 @@ def _stderr_lines(*args: str, count: int) -> list[str]:
         proc.wait()
 
 
-def test_json_logs_are_one_object_a_line_uvicorn_s_too(tier):
+def test_json_logs_are_one_object_a_line_uvicorn_s_too(tier, prefix):
     """--log-format json: a worker waiting for Redis, and an api whose port is
-    taken (uvicorn's own error), each write JSON objects with the same fields."""
+    taken (uvicorn's own error), each write JSON objects with the same fields.
+    That api is on a prefix of its own: killed, it leaves a liveness key for a
+    TTL, which the session tier's worker counts must not see."""
     waiting = _stderr_lines("worker", "--role", "detokenizer", "--log-format", "json",
                             "--redis-url", "redis://127.0.0.1:1/0", count=2)
     port = tier.base_url.rsplit(":", 1)[1]
     refused = _stderr_lines("worker", "--role", "api", "--log-format", "json", "--port", port,
-                            "--redis-url", tier.redis_url, "--prefix", tier.prefix, count=1)
+                            "--redis-url", tier.redis_url, "--prefix", prefix, count=1)
     records = [json.loads(line) for line in waiting + refused]
     assert len(records) == 3
     assert all(set(r) >= {"time", "level", "logger", "pid", "message"} for r in records)
