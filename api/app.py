@@ -25,6 +25,7 @@ from pipeline import logs
 from pipeline.config import ApiConfig, Config
 from pipeline.config_io import config_from_json
 from pipeline.errors import ConfigError, PipelineError, error_from_code
+from pipeline.model_identity import identify
 from pipeline.models import ModelFiles, resolve_model
 from pipeline.tokenizer import Tokenizer
 
@@ -44,7 +45,7 @@ def create_app(config: Config, model: ModelFiles | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         tokenizer = Tokenizer(model.path)
         limits = Limits(context_len(model.path), tokenizer.vocab_size, config.api.max_n)
-        frontend = Frontend(config.redis, config.api, metrics)
+        frontend = Frontend(config.redis, config.api, metrics, identify(model, tokenizer))
         await frontend.start()
         names = config.api.served_model_names or (model.name,)
         app.state.served = Served(names, limits, tokenizer, frontend, config.api)

@@ -28,6 +28,7 @@ from pipeline.messages import (
     Submit,
     replies_decoder,
 )
+from pipeline.model_identity import ModelIdentity
 from pipeline.recovery import queue_depths
 from pipeline.streams import SCHEDULERS, TIERS, Keys, StreamClient
 from pipeline.worker import retrying
@@ -63,8 +64,11 @@ class RequestState:
 
 class Frontend:
     def __init__(self, redis_config: RedisConfig, config: ApiConfig,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, identity: ModelIdentity | None = None):
+        """`identity`: the model this api tokenizes for, named in its liveness record
+        and in each Submit (pipeline.model_identity)."""
         self.config = config
+        self.identity = identity
         self.metrics = metrics or Metrics()
         self.redis_config = redis_config
         self.keys = Keys(redis_config.prefix)
@@ -139,7 +143,8 @@ class Frontend:
         submit = Submit(request_id=request_id, reply_to=self.reply_to, prompt_ids=prompt_ids,
                         sampling=sampling, deadline_ms=deadline_ms,
                         stream_interval=stream_interval, service_tier=service_tier,
-                        trace_id=logs.REQUEST_ID.get())
+                        trace_id=logs.REQUEST_ID.get(),
+                        fingerprint=self.identity.fingerprint if self.identity else None)
         state = RequestState(submit)
         self.states[request_id] = state
         loop = asyncio.get_running_loop()
@@ -241,7 +246,8 @@ class Frontend:
     async def _refresh_liveness(self) -> None:
         ttl_s = self.redis_config.alive_ttl_s
         info = {"role": "api", "id": self.frontend_id, "in_flight": len(self.states),
-                "reply_to": self.reply_to, "stream_interval": self.config.stream_interval}
+                "reply_to": self.reply_to, "stream_interval": self.config.stream_interval,
+                **(self.identity.record() if self.identity else {})}
         await self.client.heartbeat(self.keys.alive("api", self.frontend_id), info, ttl_s,
                                     self.keys.workers)
         other_server = await self._watch_for_failover()

@@ -14,6 +14,8 @@ CODES: dict[str, tuple[int, str]] = {
     "not_found": (404, "invalid_request_error"),
     "payload_too_large": (413, "invalid_request_error"),
     "overloaded": (503, "server_overloaded"),
+    # a scheduler of another model took the request: the tier is misconfigured (status)
+    "model_mismatch": (503, "server_error"),
     "timeout": (408, "timeout"),
     "cancelled": (499, "cancelled"),
     "internal": (500, "internal_error"),
@@ -61,6 +63,10 @@ class RequestTimeout(PipelineError):
     code = "timeout"
 
 
+class ModelMismatch(PipelineError):
+    code = "model_mismatch"
+
+
 class ConfigError(PipelineError):
     """Bad start-up settings: reported by the CLI, never over HTTP."""
 
@@ -69,7 +75,7 @@ class ConfigError(PipelineError):
 
 def error_from_code(code: str, detail: str, param: str | None = None) -> PipelineError:
     for cls in (InvalidRequest, ContextLengthExceeded, Unauthorized, ModelNotFound,
-                NotFound, Overloaded, RequestTimeout):
+                NotFound, Overloaded, RequestTimeout, ModelMismatch):
         if cls.code == code:
             return cls(detail, param=param)
     error = PipelineError(detail, param=param)

@@ -57,7 +57,7 @@ class Submit(Struct, frozen=True, tag="submit", kw_only=True):
     reply_to: str
     prompt_ids: list[int]
     sampling: Sampling
-    deadline_ms: int | None = None  # unix epoch ms; not started after this
+    deadline_ms: int | None = None  # unix epoch ms, the tier's clock; not started after this
     output_ids: list[int] = []
     attempt: int = 0  # runs before this one: each a new attempt, whatever ended it
     deaths: int = 0  # of those, the ones whose scheduler died (the poison limit counts these)
@@ -71,6 +71,9 @@ class Submit(Struct, frozen=True, tag="submit", kw_only=True):
     # the HTTP request's id (its x-request-id), which a scheduler's log records about
     # this request carry, as the api's do
     trace_id: str | None = None
+    # the model the prompt was tokenized for (pipeline.model_identity): a scheduler
+    # of another refuses it
+    fingerprint: str | None = None
 
 
 ToScheduler = Submit

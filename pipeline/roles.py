@@ -66,6 +66,7 @@ def run_api(config: Config, model: ModelFiles, api_workers: int) -> None:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         _wait_for_redis(config.redis.url)
+        _check_tier_model(config, model)
     except KeyboardInterrupt:  # Ctrl-C while waiting: a stop, not a crash
         return
     metrics_dir = None
@@ -107,6 +108,23 @@ def _wait_for_redis(url: str) -> None:
             await client.aclose()
 
     asyncio.run(ping())
+
+
+def _check_tier_model(config: Config, model: ModelFiles) -> None:
+    """ConfigError, before uvicorn starts, where the tier runs another model."""
+    from pipeline.model_identity import check_tier_model, identify
+    from pipeline.streams import StreamClient
+    from pipeline.tokenizer import Tokenizer
+
+    async def check() -> None:
+        client = StreamClient(config.redis.url, prefix=config.redis.prefix)
+        try:
+            await check_tier_model(client, config.redis.prefix,
+                                   identify(model, Tokenizer(model.path)), "api")
+        finally:
+            await client.close()
+
+    asyncio.run(check())
 
 
 def run_role(role: str, config: Config, api_workers: int = 1) -> None:

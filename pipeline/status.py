@@ -117,6 +117,8 @@ def print_status(redis_url: str, prefix: str, as_json: bool = False) -> int:
     for role in ROLES:
         if role not in by_role:
             console.print(f"[red]no live {role}: {MISSING[role]}[/red]")
+    if models := _models(workers):
+        console.print(f"[red]the tier mixes models (a tier serves one): {models}[/red]")
     seen = _seen(now_s)
     tables = [(role, role, {"seen": seen} | COLUMNS.get(role, {"record": _other}))
               for role in by_role] + [("scheduler", "engines and caches", ENGINE)]
@@ -130,6 +132,18 @@ def print_status(redis_url: str, prefix: str, as_json: bool = False) -> int:
             table.add_row(str(worker.get("id")), *(show(worker) for show in columns.values()))
         console.print(table)
     return 0
+
+
+def _models(workers: list[dict]) -> str:
+    """Each model fingerprint the workers name, with its name and who runs it."""
+    found: dict[str, list[dict]] = {}
+    for worker in workers:
+        if worker.get("fingerprint"):
+            found.setdefault(worker["fingerprint"], []).append(worker)
+    return "; ".join(
+        f"{group[0].get('model')!r} ({fingerprint}): "
+        + ", ".join(f"{sum(w.get('role') == r for w in group)} {r}" for r in ROLES)
+        for fingerprint, group in found.items()) if len(found) > 1 else ""
 
 
 def _seen(now: float) -> Callable[[dict], str]:

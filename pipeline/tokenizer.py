@@ -48,6 +48,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def vocab(self) -> dict[str, int]:
+        """Every token's id, added tokens too."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def id_to_token(self, token_id: int) -> str:
         return self._tok.id_to_token(token_id) or ""
 

@@ -54,6 +54,7 @@ def test_a_submit_from_an_older_writer_without_newer_fields_still_decodes():
     decoded = requests_decoder.decode(raw)
     assert decoded.output_ids == [] and decoded.attempt == 0 and decoded.deadline_ms is None
     assert decoded.stream_interval == 1  # every token as it is made, as before the field
+    assert decoded.fingerprint is None  # any scheduler may run it, as before the field
 
 
 def test_a_step_output_from_an_older_writer_with_fewer_array_fields_still_decodes():

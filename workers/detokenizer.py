@@ -13,6 +13,7 @@ import msgspec
 
 from pipeline.config import Config
 from pipeline.messages import Delta, Failed, ReplyBatch, TokenBatch, tokens_decoder
+from pipeline.model_identity import check_tier_model, identify
 from pipeline.models import ModelFiles
 from pipeline.recovery import dead_consumers, drop_consumer, take_over, trim_below_pending
 from pipeline.status import read_live_workers
@@ -152,12 +153,16 @@ async def run(config: Config, model: ModelFiles, draining: asyncio.Event | None 
     """The detokenizer until cancelled, or until `draining` is set (SIGTERM) and its
     drain is done: then its last replies and acks go out and it leaves the tier."""
     draining = draining or asyncio.Event()
-    detokenizer = Detokenizer(config, Tokenizer(model.path))
+    tokenizer = Tokenizer(model.path)
+    identity = identify(model, tokenizer)
+    detokenizer = Detokenizer(config, tokenizer)
+    await retrying(lambda: check_tier_model(detokenizer.client, config.redis.prefix, identity,
+                                            "detokenizer"), "detokenizer model check")
     await retrying(detokenizer.join, "detokenizer join")
     log.info("detokenizer %s reading %s", detokenizer.worker_id, detokenizer.keys.tokens)
     beat = asyncio.create_task(heartbeat_forever(
         detokenizer.client, detokenizer.keys, "detokenizer", detokenizer.worker_id, config.redis,
-        lambda: {"batches": detokenizer.num_batches}))
+        lambda: {"batches": detokenizer.num_batches} | identity.record()))
     try:
         await forever(detokenizer.step, "detokenizer", on_reconnect=detokenizer.join,
                       until=lambda: detokenizer.drained(draining))

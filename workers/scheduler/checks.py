@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import math
 
-from pipeline.errors import InvalidRequest
+from pipeline.errors import InvalidRequest, ModelMismatch
 from pipeline.messages import Submit
 
 MAX_ALTERNATIVES = 20  # logprobs' top tokens a request may ask for (the api's limit too)
 
 
-def check_submit(submit: Submit, vocab_size: int) -> None:
-    """InvalidRequest for anything a step would index, loop or divide with wrongly."""
+def check_submit(submit: Submit, vocab_size: int, fingerprint: str | None = None) -> None:
+    """InvalidRequest for anything a step would index, loop or divide with wrongly;
+    ModelMismatch for a prompt tokenized for another model than `fingerprint`'s."""
+    if None not in (submit.fingerprint, fingerprint) and submit.fingerprint != fingerprint:
+        raise ModelMismatch(f"a scheduler of another model (fingerprint {fingerprint}) took "
+                            f"this request, tokenized for {submit.fingerprint}: the tier "
+                            f"mixes models (see `pipeline status`)")
     sampling = submit.sampling
     ids = [*submit.prompt_ids, *submit.output_ids, *sampling.stop_token_ids,
            *sampling.logit_bias]

@@ -26,6 +26,7 @@ from pipeline.messages import (
     control_decoder,
     requests_decoder,
 )
+from pipeline.model_identity import ModelIdentity
 from pipeline.recovery import (
     Claimed,
     dead_consumers,
@@ -54,8 +55,10 @@ STEP_EMA = 0.2  # weight of the last step in the average step time
 
 class Scheduler:
     def __init__(self, config: Config, engine: Engine, tokenizer: Tokenizer,
-                 engine_thread: ThreadPoolExecutor, draining: asyncio.Event | None = None):
+                 engine_thread: ThreadPoolExecutor, draining: asyncio.Event | None = None,
+                 identity: ModelIdentity | None = None):
         self.config = config
+        self.identity = identity  # the model it runs (pipeline.model_identity)
         self.engine = engine
         self.engine_thread = engine_thread
         self.tokenizer = tokenizer
@@ -315,7 +318,8 @@ class Scheduler:
             if submit.deadline_ms is not None and submit.deadline_ms < self.client.clock.now_ms():
                 self.num_expired += 1
                 raise RequestTimeout("the request expired before a scheduler could start it")
-            check_submit(submit, self.tokenizer.vocab_size)
+            check_submit(submit, self.tokenizer.vocab_size,
+                         self.identity.fingerprint if self.identity else None)
             run = Running(submit, entry, list(submit.output_ids), len(submit.output_ids))
             if self.compiling.needed(submit.sampling.structure):
                 self.compiling.start(run)
@@ -394,6 +398,7 @@ class Scheduler:
             self.unsent.append(TokenBatch(self.worker_id, outputs, []))
 
     def info(self) -> dict:
-        return {"model": self.config.model, **self.engine.describe(),
+        identity = self.identity.record() if self.identity else {"model": self.config.model}
+        return {**identity, **self.engine.describe(),
                 "num_expired": self.num_expired, "draining": self.draining.is_set()} | asdict(
             self.engine.stats())

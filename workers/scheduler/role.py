@@ -9,6 +9,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 from pipeline.config import Config
+from pipeline.model_identity import check_tier_model, identify
 from pipeline.models import ModelFiles
 from pipeline.streams import SCHEDULERS
 from pipeline.tokenizer import Tokenizer
@@ -26,7 +27,11 @@ async def run(config: Config, model: ModelFiles, draining: asyncio.Event | None 
     engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
     engine = await asyncio.get_running_loop().run_in_executor(
         engine_thread, Engine, model.path, config.scheduler)
-    scheduler = Scheduler(config, engine, Tokenizer(model.path), engine_thread, draining)
+    tokenizer = Tokenizer(model.path)
+    identity = identify(model, tokenizer)
+    scheduler = Scheduler(config, engine, tokenizer, engine_thread, draining, identity)
+    await retrying(lambda: check_tier_model(scheduler.client, config.redis.prefix, identity,
+                                            "scheduler"), "scheduler model check")
     await retrying(scheduler.join, "scheduler join")
     log.info("scheduler %s pulling %s", scheduler.worker_id, ", ".join(scheduler.lanes.streams))
     beat = asyncio.create_task(heartbeat_forever(
