@@ -66,7 +66,7 @@ def run_api(config: Config, model: ModelFiles, api_workers: int) -> None:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         _wait_for_redis(config.redis.url)
-        _check_tier_model(config, model)
+        _check_tier(config, model)
     except KeyboardInterrupt:  # Ctrl-C while waiting: a stop, not a crash
         return
     metrics_dir = None
@@ -110,8 +110,10 @@ def _wait_for_redis(url: str) -> None:
     asyncio.run(ping())
 
 
-def _check_tier_model(config: Config, model: ModelFiles) -> None:
-    """ConfigError, before uvicorn starts, where the tier runs another model."""
+def _check_tier(config: Config, model: ModelFiles) -> None:
+    """ConfigError, before uvicorn starts, where the tier runs another model; a
+    warning where Redis may evict its keys."""
+    from pipeline.eviction import warn_if_evicting
     from pipeline.model_identity import check_tier_model, identify
     from pipeline.streams import StreamClient
     from pipeline.tokenizer import Tokenizer
@@ -121,6 +123,7 @@ def _check_tier_model(config: Config, model: ModelFiles) -> None:
         try:
             await check_tier_model(client, config.redis.prefix,
                                    identify(model, Tokenizer(model.path)), "api")
+            await warn_if_evicting(client.redis)
         finally:
             await client.close()
 

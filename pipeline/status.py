@@ -14,6 +14,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Column, Table
 
+from pipeline.eviction import eviction_risk, evictions
 from pipeline.recovery import queue_depths
 from pipeline.redis_url import sync_client
 from pipeline.streams import SCHEDULERS, TIERS, WORKERS_KEPT_S, Keys, StreamClient
@@ -53,10 +54,15 @@ def server_now_s(client: redis.Redis) -> float:
     return seconds + microseconds / 1e6
 
 
-def tier_now_s(redis_url: str, prefix: str) -> float:
+def server_facts(redis_url: str, prefix: str) -> tuple[float, list[str]]:
+    """The Redis clock, and what the server's INFO warns of (pipeline.eviction)."""
     client = sync_client(redis_url, prefix, socket_timeout=5)
     try:
-        return server_now_s(client)
+        try:
+            warnings = [eviction_risk(client.info("memory")), evictions(client.info("stats"))]
+        except redis.ResponseError:  # INFO refused: nothing to say
+            warnings = []
+        return server_now_s(client), [w for w in warnings if w]
     finally:
         client.close()
 
@@ -92,19 +98,20 @@ def queued_requests(redis_url: str, prefix: str) -> dict[str, int]:
 def print_status(redis_url: str, prefix: str, as_json: bool = False) -> int:
     """The tier's live workers, a table a role; `as_json`: one JSON object for
     scripts ({"prefix", "queued_requests", "queued_by_tier", "workers": [every
-    liveness record]})."""
+    liveness record], "redis_warnings": [what Redis's INFO warns of]})."""
     console = Console(width=None if sys.stdout.isatty() else 160)  # piped: rows whole
     try:
         workers = live_workers(redis_url, prefix)
         by_tier = queued_requests(redis_url, prefix)
-        now_s = tier_now_s(redis_url, prefix)
+        now_s, warnings = server_facts(redis_url, prefix)
     except redis.RedisError as error:
         console.print(f"[red]cannot reach Redis at {redis_url}: {error}[/red]")
         return 1
     queued = sum(by_tier.values())
     if as_json:
         print(json.dumps({"prefix": prefix, "queued_requests": queued,
-                          "queued_by_tier": by_tier, "workers": workers}))
+                          "queued_by_tier": by_tier, "workers": workers,
+                          "redis_warnings": warnings}))
         return 0
     by_role: dict[str, list[dict]] = {}
     for worker in sorted(workers, key=lambda w: str(w.get("id"))):
@@ -117,6 +124,8 @@ def print_status(redis_url: str, prefix: str, as_json: bool = False) -> int:
     for role in ROLES:
         if role not in by_role:
             console.print(f"[red]no live {role}: {MISSING[role]}[/red]")
+    for warning in warnings:
+        console.print(f"[red]{warning}[/red]")
     if models := _models(workers):
         console.print(f"[red]the tier mixes models (a tier serves one): {models}[/red]")
     seen = _seen(now_s)

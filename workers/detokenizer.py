@@ -12,6 +12,7 @@ from collections import defaultdict
 import msgspec
 
 from pipeline.config import Config
+from pipeline.eviction import warn_if_evicting
 from pipeline.messages import Delta, Failed, ReplyBatch, TokenBatch, tokens_decoder
 from pipeline.model_identity import check_tier_model, identify
 from pipeline.models import ModelFiles
@@ -158,6 +159,7 @@ async def run(config: Config, model: ModelFiles, draining: asyncio.Event | None 
     detokenizer = Detokenizer(config, tokenizer)
     await retrying(lambda: check_tier_model(detokenizer.client, config.redis.prefix, identity,
                                             "detokenizer"), "detokenizer model check")
+    await retrying(lambda: warn_if_evicting(detokenizer.client.redis), "detokenizer start")
     await retrying(detokenizer.join, "detokenizer join")
     log.info("detokenizer %s reading %s", detokenizer.worker_id, detokenizer.keys.tokens)
     beat = asyncio.create_task(heartbeat_forever(
