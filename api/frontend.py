@@ -82,7 +82,8 @@ class Frontend:
         self.queue_depths = [0] * len(TIERS)
         self.num_resubmits = 0
         self.last_reply_id = "0-0"
-        self.redis_run_id: str | None = None  # the server we talk to (_watch_for_failover)
+        self.redis_run_id: str | None = None  # the server we talk to (_server_changed)
+        self.joined = False  # a first heartbeat went through: its key exists since
 
     async def start(self) -> None:
         # the reply stream exists before any request names it: detokenizers
@@ -244,29 +245,37 @@ class Frontend:
                                                state.submit), "resubmit")
 
     async def _refresh_liveness(self) -> None:
+        """The heartbeat; and where the requests in flight may have been dropped since
+        the last one, each resubmitted as a continuation (`_resubmit_all`)."""
         ttl_s = self.redis_config.alive_ttl_s
         info = {"role": "api", "id": self.frontend_id, "in_flight": len(self.states),
                 "reply_to": self.reply_to, "stream_interval": self.config.stream_interval,
                 **(self.identity.record() if self.identity else {})}
-        await self.client.heartbeat(self.keys.alive("api", self.frontend_id), info, ttl_s,
-                                    self.keys.workers)
-        other_server = await self._watch_for_failover()
+        was_alive = await self.client.heartbeat(self.keys.alive("api", self.frontend_id), info,
+                                                ttl_s, self.keys.workers)
+        why = await self._server_changed()
+        if not was_alive and self.joined and why is None:
+            # stalled or cut off from Redis past the TTL: the schedulers took this api
+            # for dead and dropped its requests (recovery.gone_frontends)
+            why = "its liveness key had lapsed, so schedulers dropped its requests"
+        self.joined = True
         # a dead frontend's reply stream expires by itself
         if not await self.client.redis.pexpire(self.reply_to, int(ttl_s * 1000) * 6):
             log.warning("reply stream %s is gone (Redis lost its data); recreating it",
                         self.reply_to)
             await self.client.redis.xadd(self.reply_to, {"hello": self.frontend_id})
             self.last_reply_id = "0-0"
-            if not other_server:  # its replies may be gone: as after a failover
-                await self._resubmit_all("its reply stream was gone")
+            why = why or "its reply stream was gone"  # its replies may be gone
         elif self.last_reply_id != "0-0":  # what we have read, nobody needs again
             await self.client.redis.xtrim(self.reply_to, minid=self.last_reply_id,
                                           approximate=True)
+        if why is not None:
+            await self._resubmit_all(why)
 
-    async def _watch_for_failover(self) -> bool:
-        """True, having resubmitted every request in flight, where the Redis we talk to
-        is another server than at the last heartbeat (its run_id: a replica promoted by
-        a failover, or a restart). Its replication is asynchronous, so the last writes
+    async def _server_changed(self) -> str | None:
+        """Why the requests in flight may be lost, where the Redis we talk to is
+        another server than at the last heartbeat (its run_id: a replica promoted by a
+        failover, or a restart). Its replication is asynchronous, so the last writes
         before it may be lost: a request's submission, tokens or replies, which nobody
         would ever write again. A continuation of each, past what its client has,
         loses nothing; the earlier attempts are cancelled (`Cancel.below`)."""
@@ -277,10 +286,10 @@ class Frontend:
             run_id = None
         changed = None not in (run_id, self.redis_run_id) and run_id != self.redis_run_id
         self.redis_run_id = run_id
-        if changed:
-            self.metrics.redis_changes.inc()
-            await self._resubmit_all("Redis is another server now (a failover or a restart)")
-        return changed
+        if not changed:
+            return None
+        self.metrics.redis_changes.inc()
+        return "Redis is another server now (a failover or a restart)"
 
     async def _resubmit_all(self, why: str) -> None:
         in_flight = [state for state in self.states.values() if not state.finished]

@@ -111,19 +111,19 @@ def _wait_for_redis(url: str) -> None:
 
 
 def _check_tier(config: Config, model: ModelFiles) -> None:
-    """ConfigError, before uvicorn starts, where the tier runs another model; a
-    warning where Redis may evict its keys."""
-    from pipeline.eviction import warn_if_evicting
-    from pipeline.model_identity import check_tier_model, identify
-    from pipeline.streams import StreamClient
+    """pipeline.joining's checks, once, before uvicorn starts (its workers share them)."""
+    from pipeline.joining import check_before_joining
+    from pipeline.model_identity import identify
+    from pipeline.streams import Keys, StreamClient
     from pipeline.tokenizer import Tokenizer
 
     async def check() -> None:
         client = StreamClient(config.redis.url, prefix=config.redis.prefix)
         try:
-            await check_tier_model(client, config.redis.prefix,
-                                   identify(model, Tokenizer(model.path)), "api")
-            await warn_if_evicting(client.redis)
+            await check_before_joining(
+                client, Keys(config.redis.prefix), "api", config.api.frontend_id or "",
+                identify(model, Tokenizer(model.path)), config.redis,
+                own_id=config.api.frontend_id is not None)
         finally:
             await client.close()
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +30,7 @@ from pipeline.clock import RedisClock
 from pipeline.messages import FIELD, encode
 from pipeline.redis_url import async_client
 
+log = logging.getLogger("pipeline.streams")
 SCHEDULERS = "schedulers"
 # OpenAI's service tiers, most urgent first: each has its own requests stream (a lane),
 # and schedulers pull the lanes in this order, so a request waits only behind its own
@@ -203,6 +206,7 @@ class StreamClient:
             health_check_interval=30,
         )
         self.clock = RedisClock()  # synced at each heartbeat
+        self.instance = uuid.uuid4().hex[:12]  # this process's, in its liveness record
 
     def reader(self) -> StreamClient:
         return StreamClient(self.url, block_ms=self.block_ms, prefix=self.prefix)
@@ -309,17 +313,27 @@ class StreamClient:
         info = await self.redis.xrevrange(stream, count=1)
         return info[0][0].decode() if info else "0-0"
 
-    async def heartbeat(self, key: str, info: dict, ttl_s: float, index: str) -> None:
+    async def heartbeat(self, key: str, info: dict, ttl_s: float, index: str) -> bool:
         """The liveness key, and its place in `index` (Keys.workers), whose members
         of over WORKERS_KEPT_S ago are dropped: the key's TTL says who is alive.
-        It reads the Redis clock first, so the record's time is the tier's."""
+        It reads the Redis clock first, so the record's time is the tier's. True
+        where the key was still there: False, after a first heartbeat, means the
+        others have taken this worker for dead (SET's GET, Redis 6.2). A record
+        another process wrote means two live workers share an id: an error, each
+        time (pipeline.joining refuses a second one at start, unless both start
+        at once)."""
         await self.clock.sync(self.redis)
         now = self.clock.now_s()
+        record = info | {"at": now, "instance": self.instance}
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(key, json.dumps(info | {"at": now}), px=int(ttl_s * 1000))
+            pipe.set(key, json.dumps(record), px=int(ttl_s * 1000), get=True)
             pipe.zadd(index, {key: now})
             pipe.zremrangebyscore(index, "-inf", now - WORKERS_KEPT_S)
-            await pipe.execute()
+            previous, *_ = await pipe.execute()
+        if _instance(previous) not in (None, self.instance):
+            log.error("another live worker writes %s too: each worker needs an id of its own "
+                      "(--id)", key)
+        return previous is not None
 
     async def dead_letter(self, stream: str, entry_id: str, raw: bytes, reason: str,
                           dead_key: str) -> None:
@@ -327,3 +341,12 @@ class StreamClient:
             dead_key, {"stream": stream, "id": entry_id, "reason": reason, FIELD: raw},
             maxlen=10_000, approximate=True,
         )
+
+
+def _instance(record: bytes | None) -> str | None:
+    """The process that wrote a liveness record, where it says."""
+    try:
+        found = json.loads(record) if record else None
+    except ValueError:
+        return None
+    return found.get("instance") if isinstance(found, dict) else None

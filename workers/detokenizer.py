@@ -12,9 +12,9 @@ from collections import defaultdict
 import msgspec
 
 from pipeline.config import Config
-from pipeline.eviction import warn_if_evicting
+from pipeline.joining import check_before_joining
 from pipeline.messages import Delta, Failed, ReplyBatch, TokenBatch, tokens_decoder
-from pipeline.model_identity import check_tier_model, identify
+from pipeline.model_identity import identify
 from pipeline.models import ModelFiles
 from pipeline.recovery import dead_consumers, drop_consumer, take_over, trim_below_pending
 from pipeline.status import read_live_workers
@@ -157,9 +157,9 @@ async def run(config: Config, model: ModelFiles, draining: asyncio.Event | None 
     tokenizer = Tokenizer(model.path)
     identity = identify(model, tokenizer)
     detokenizer = Detokenizer(config, tokenizer)
-    await retrying(lambda: check_tier_model(detokenizer.client, config.redis.prefix, identity,
-                                            "detokenizer"), "detokenizer model check")
-    await retrying(lambda: warn_if_evicting(detokenizer.client.redis), "detokenizer start")
+    await retrying(lambda: check_before_joining(
+        detokenizer.client, detokenizer.keys, "detokenizer", detokenizer.worker_id, identity,
+        config.redis, own_id=config.detokenizer.detokenizer_id is not None), "detokenizer start")
     await retrying(detokenizer.join, "detokenizer join")
     log.info("detokenizer %s reading %s", detokenizer.worker_id, detokenizer.keys.tokens)
     beat = asyncio.create_task(heartbeat_forever(

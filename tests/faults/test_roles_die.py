@@ -140,6 +140,66 @@ def test_a_killed_api_worker_s_requests_are_freed_and_the_other_keeps_serving(
     print(f"\n[api -9] freed_after_s={freed_s:.2f} reply_stream_expired_after_s={expired_s:.2f}")
 
 
+def test_an_api_stalled_past_its_ttl_gets_its_requests_back_whole(own_redis7, make_tier):
+    """SIGSTOP an api for 3 TTLs (a VM paused, a long GC, a network cut): the
+    schedulers take it for dead and drop its requests. Its next heartbeat finds
+    its liveness key gone and resubmits each as a continuation; before, they
+    waited for --request-timeout."""
+    tier = make_tier(own_redis7.url)  # alive-ttl-s 2 (FAST_DEATH)
+    tier.start("scheduler")
+    tier.start("detokenizer")
+    url = tier.start_api(**{"request-timeout": "40"})
+    victim = tier.procs[-1]
+    tier.wait_ready()
+    texts = prompts(8)
+    # long enough to outlast the stall: the schedulers go on for a TTL before they drop them
+    reference = asyncio.run(stream_many(url, texts, 400))
+
+    async def main():
+        started = asyncio.Event()
+        run = asyncio.create_task(stream_many(url, texts, 400, started))
+        await asyncio.wait_for(started.wait(), 120)
+        victim.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(6)  # its key expires after 2 s; its reply stream lasts 12
+        dropped = _scheduler_load(tier)["num_running"]
+        victim.send_signal(signal.SIGCONT)
+        resumed_at = time.monotonic()
+        outcomes = await run
+        return outcomes, dropped, time.monotonic() - resumed_at
+
+    got, dropped, finish_s = asyncio.run(main())
+    figures = report("api stalled", reference, got, finished_after_resume_s=round(finish_s, 2))
+    assert dropped == 0  # the schedulers had dropped them
+    assert figures["lost"] == 0 and figures["differing"] == 0
+    assert all(o.error is None for o in got)
+
+
+def test_a_worker_id_is_one_worker_s_a_restart_under_it_waits_out_the_old_record(
+        own_redis7, make_tier):
+    """--id: a second live detokenizer under one id exits 2 at start (two consumers of
+    one name take each other's entries for their own); one SIGKILLed and started
+    again under its id waits for its old record to expire, then joins."""
+    tier = make_tier(own_redis7.url)  # alive-ttl-s 2 (FAST_DEATH)
+    first = tier.start("detokenizer", id="detok-a")
+    tier.wait_ready(schedulers=0)
+    log = tier.log_dir / f"detokenizer-{len(tier.procs)}.log"
+    second = tier.start("detokenizer", id="detok-a")
+    assert second.wait(timeout=60) == 2
+    tier.procs.remove(second)
+    assert "a live detokenizer already has the id 'detok-a'" in log.read_text()
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    tier.procs.remove(first)
+    seconds, microseconds = own_redis7.client().time()  # the tier's clock (records' "at")
+    killed_at = seconds + microseconds / 1e6
+    again = tier.start("detokenizer", id="detok-a")
+    joined_s = _wait_for(lambda: any(
+        w["id"] == "detok-a" and w["at"] > killed_at
+        for w in live_workers(tier.redis_url, tier.prefix)), 60)
+    assert again.poll() is None  # it joined: its own old record was not taken for another
+    print(f"\n[id claim] started again under its id, joined after {joined_s:.2f}s")
+
+
 def test_a_client_that_disconnects_frees_its_kv_within_a_few_steps(tier):
     async def main(stream: bool):
         body = {"prompt": "Tell me everything about the ocean.", "max_tokens": 2000,

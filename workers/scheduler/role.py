@@ -9,8 +9,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 from pipeline.config import Config
-from pipeline.eviction import warn_if_evicting
-from pipeline.model_identity import check_tier_model, identify
+from pipeline.joining import check_before_joining
+from pipeline.model_identity import identify
 from pipeline.models import ModelFiles
 from pipeline.streams import SCHEDULERS
 from pipeline.tokenizer import Tokenizer
@@ -31,9 +31,9 @@ async def run(config: Config, model: ModelFiles, draining: asyncio.Event | None 
     tokenizer = Tokenizer(model.path)
     identity = identify(model, tokenizer)
     scheduler = Scheduler(config, engine, tokenizer, engine_thread, draining, identity)
-    await retrying(lambda: check_tier_model(scheduler.client, config.redis.prefix, identity,
-                                            "scheduler"), "scheduler model check")
-    await retrying(lambda: warn_if_evicting(scheduler.client.redis), "scheduler start")
+    await retrying(lambda: check_before_joining(
+        scheduler.client, scheduler.keys, "scheduler", scheduler.worker_id, identity, config.redis,
+        own_id=config.scheduler.scheduler_id is not None), "scheduler start")
     await retrying(scheduler.join, "scheduler join")
     log.info("scheduler %s pulling %s", scheduler.worker_id, ", ".join(scheduler.lanes.streams))
     beat = asyncio.create_task(heartbeat_forever(
