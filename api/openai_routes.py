@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Annotated
 
@@ -110,7 +109,7 @@ def _job(body: OpenAIRequest, s: Served, is_chat: bool, prompts: list[list[int]]
     prefix = "chatcmpl" if is_chat else "cmpl"
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     return Job(is_chat=is_chat, response_id=f"{prefix}-{uuid.uuid4().hex}",
-               created=int(time.time()), model=s.model_name, prompts=prompts,
+               created=int(s.frontend.client.clock.now_s()), model=s.model_name, prompts=prompts,
                samplings=samplings, include_usage=include_usage, echo=echo,
                tool_calls=tool_calls, reasoning=reasoning,
                service_tier=service_tier(body.service_tier))

@@ -126,6 +126,9 @@ def print_status(redis_url: str, prefix: str, as_json: bool = False) -> int:
             console.print(f"[red]no live {role}: {MISSING[role]}[/red]")
     for warning in warnings:
         console.print(f"[red]{warning}[/red]")
+    if skewed := _skewed_clocks(workers):
+        console.print(f"[red]hosts' clocks off the Redis server's (the tier runs on its; "
+                      f"see to their NTP): {skewed}[/red]")
     if models := _models(workers):
         console.print(f"[red]the tier mixes models (a tier serves one): {models}[/red]")
     seen = _seen(now_s)
@@ -141,6 +144,14 @@ def print_status(redis_url: str, prefix: str, as_json: bool = False) -> int:
             table.add_row(str(worker.get("id")), *(show(worker) for show in columns.values()))
         console.print(table)
     return 0
+
+
+def _skewed_clocks(workers: list[dict]) -> str:
+    """The workers whose host's clock is over CLOCK_SKEW_S off the Redis clock."""
+    return ", ".join(
+        f"{w.get('role')} {w.get('id')} {-w['clock_offset_s']:+.1f} s"
+        for w in workers if isinstance(w.get("clock_offset_s"), (int, float))
+        and abs(w["clock_offset_s"]) > CLOCK_SKEW_S)
 
 
 def _models(workers: list[dict]) -> str:
@@ -202,3 +213,6 @@ ENGINE = {name: _field(key) for name, key in (
     ("attention", "attention"), ("KV cache", "kv_cache_dtype"),
     ("prefix hits", "num_prefix_hit_tokens"), ("preempted", "num_preemptions"))}
 QUEUE_LIMIT = 10_000
+# a host's clock this far off the Redis server's is worth an operator's look: the
+# tier's times do not depend on it (pipeline.clock), but its logs' times do
+CLOCK_SKEW_S = 1.0

@@ -324,7 +324,8 @@ class StreamClient:
         at once)."""
         await self.clock.sync(self.redis)
         now = self.clock.now_s()
-        record = info | {"at": now, "instance": self.instance}
+        record = info | {"at": now, "instance": self.instance,
+                         "clock_offset_s": round(self.clock.offset_s, 3)}
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(key, json.dumps(record), px=int(ttl_s * 1000), get=True)
             pipe.zadd(index, {key: now})

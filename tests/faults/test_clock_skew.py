@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -91,6 +92,16 @@ def test_deadlines_hold_across_hosts_whose_clocks_disagree(redis_url, make_tier)
     tier.wait_ready()
     [scheduler] = [w for w in live_workers(redis_url, tier.prefix) if w["role"] == "scheduler"]
     assert abs(scheduler["at"] - redis_now_s(redis_url)) < 5  # heartbeats on the tier's clock
+    shown = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", "--redis-url",
+                            redis_url, "--prefix", tier.prefix], capture_output=True, text=True,
+                           timeout=60)
+    said = " ".join(shown.stdout.split())  # as one line, however rich wrapped it
+    assert "hosts' clocks off the Redis server's" in said, said
+    assert re.search(rf"scheduler {scheduler['id']} \+1(19\.[89]|20\.[01]) s", said), said
+    assert len(re.findall(r"api \S+ [-+]\d+\.\d s", said)) == 2, said  # -120 and +240
+    [detokenizer] = [w for w in live_workers(redis_url, tier.prefix)
+                     if w["role"] == "detokenizer"]
+    assert abs(detokenizer["clock_offset_s"]) < 1  # its host's clock is right: not listed
     # the hog must outlast the hasty request's deadline (2 s in): 600 tokens take ~5 s
     long = {"prompt": "Count to a thousand:", "max_tokens": 600, "temperature": 0,
             "ignore_eos": True}
