@@ -54,17 +54,28 @@ def server_now_s(client: redis.Redis) -> float:
     return seconds + microseconds / 1e6
 
 
-def server_facts(redis_url: str, prefix: str) -> tuple[float, list[str]]:
-    """The Redis clock, and what the server's INFO warns of (pipeline.eviction)."""
+def server_facts(redis_url: str, prefix: str) -> tuple[float, str, list[str]]:
+    """The Redis clock, a line about the server, and what its INFO warns of
+    (pipeline.eviction); no line and no warnings where INFO is refused."""
     client = sync_client(redis_url, prefix, socket_timeout=5)
     try:
         try:
-            warnings = [eviction_risk(client.info("memory")), evictions(client.info("stats"))]
-        except redis.ResponseError:  # INFO refused: nothing to say
-            warnings = []
-        return server_now_s(client), [w for w in warnings if w]
+            info = client.info()  # its default sections: server, clients, memory, stats...
+        except redis.ResponseError:
+            info = {}
+        warnings = [eviction_risk(info), evictions(info)] if info else []
+        return server_now_s(client), _about(info), [w for w in warnings if w]
     finally:
         client.close()
+
+
+def _about(info: dict) -> str:
+    if not info:
+        return ""
+    limit = info.get("maxmemory_human") if info.get("maxmemory") else "no limit"
+    return (f"Redis {info.get('redis_version')} ({info.get('role')}): "
+            f"{info.get('used_memory_human')} used ({limit}), "
+            f"{info.get('connected_clients')} clients")
 
 
 def records(values: list[bytes | None]) -> list[dict]:
@@ -103,7 +114,7 @@ def print_status(redis_url: str, prefix: str, as_json: bool = False) -> int:
     try:
         workers = live_workers(redis_url, prefix)
         by_tier = queued_requests(redis_url, prefix)
-        now_s, warnings = server_facts(redis_url, prefix)
+        now_s, about, warnings = server_facts(redis_url, prefix)
     except redis.RedisError as error:
         console.print(f"[red]cannot reach Redis at {redis_url}: {error}[/red]")
         return 1
@@ -121,16 +132,10 @@ def print_status(redis_url: str, prefix: str, as_json: bool = False) -> int:
     tiers = ", ".join(f"{count} {tier}" for tier, count in by_tier.items() if count)
     console.print(f"tier {prefix!r}: {counts} live; {shown} requests queued"
                   + (f" ({tiers})" if tiers else ""))
-    for role in ROLES:
-        if role not in by_role:
-            console.print(f"[red]no live {role}: {MISSING[role]}[/red]")
-    for warning in warnings:
-        console.print(f"[red]{warning}[/red]")
-    if skewed := _skewed_clocks(workers):
-        console.print(f"[red]hosts' clocks off the Redis server's (the tier runs on its; "
-                      f"see to their NTP): {skewed}[/red]")
-    if models := _models(workers):
-        console.print(f"[red]the tier mixes models (a tier serves one): {models}[/red]")
+    if about:
+        console.print(about)
+    for alert in _alerts(workers, by_role, warnings):
+        console.print(f"[red]{alert}[/red]")
     seen = _seen(now_s)
     tables = [(role, role, {"seen": seen} | COLUMNS.get(role, {"record": _other}))
               for role in by_role] + [("scheduler", "engines and caches", ENGINE)]
@@ -144,6 +149,17 @@ def print_status(redis_url: str, prefix: str, as_json: bool = False) -> int:
             table.add_row(str(worker.get("id")), *(show(worker) for show in columns.values()))
         console.print(table)
     return 0
+
+
+def _alerts(workers: list[dict], by_role: dict[str, list[dict]], warnings: list[str]):
+    """What an operator should see to, a line each."""
+    yield from (f"no live {role}: {MISSING[role]}" for role in ROLES if role not in by_role)
+    yield from warnings
+    if skewed := _skewed_clocks(workers):
+        yield ("hosts' clocks off the Redis server's (the tier runs on its; see to their "
+               f"NTP): {skewed}")
+    if models := _models(workers):
+        yield f"the tier mixes models (a tier serves one): {models}"
 
 
 def _skewed_clocks(workers: list[dict]) -> str:

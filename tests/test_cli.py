@@ -5,6 +5,7 @@ access log's too)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import uuid
@@ -35,6 +36,8 @@ def test_status_shows_every_live_worker_by_role_and_the_queue(tier):
     for role, worker_id in ids.items():
         assert role in shown.stdout and worker_id in shown.stdout
     assert "engines and caches" in shown.stdout  # the scheduler's kernels
+    assert re.search(r"Redis \d+\.\d+\.\d+ \(master\): \S+ used \(no limit\), \d+ clients",
+                     shown.stdout), shown.stdout
 
     found = json.loads(status("--redis-url", tier.redis_url, "--prefix", tier.prefix,
                               "--json").stdout)
