@@ -30,11 +30,10 @@ from pipeline.messages import (
 )
 from pipeline.model_identity import ModelIdentity
 from pipeline.recovery import queue_depths
-from pipeline.streams import SCHEDULERS, TIERS, Keys, StreamClient
+from pipeline.streams import CONTROL_MAXLEN, SCHEDULERS, TIERS, Keys, StreamClient
 from pipeline.worker import retrying
 
 log = logging.getLogger("pipeline.api")
-CONTROL_MAXLEN = 10_000  # fan-out stream: nobody pends on it, so a plain cap is safe
 EXPIRED = object()  # a request's deadline, as an event in its queue
 
 

@@ -18,7 +18,8 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
                    "admitted:*", "dead"],
                   # eval: the lanes read in order (streams.pull_in_order), XREADGROUP inside
                   _COMMON + _GROUP_READER + ["xadd", "xread", "eval"]),
-    "detokenizer": (["tokens", "replies:*", "alive:*", "workers", "dead"],
+    "detokenizer": (["tokens", "replies:*", "alive:*", "workers", "dead",
+                     "control"],  # Cancel: another model's scheduler runs a request
                     _COMMON + _GROUP_READER + ["xadd"]),
 }
 

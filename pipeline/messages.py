@@ -153,6 +153,9 @@ class TokenBatch(Struct, frozen=True, tag="tokens"):
     scheduler_id: str
     outputs: list[StepOutput] = []
     failures: list[Failed] = []
+    # the model whose token ids these are (pipeline.model_identity): a detokenizer of
+    # another fails the requests rather than decode them with the wrong vocabulary
+    fingerprint: str | None = None
 
 
 ToDetokenizer = TokenBatch

@@ -37,6 +37,7 @@ SCHEDULERS = "schedulers"
 # lane and those before it
 TIERS = ("priority", "default", "flex")
 DETOKENIZERS = "detokenizers"
+CONTROL_MAXLEN = 10_000  # fan-out stream: nobody pends on it, so a plain cap is safe
 # a worker silent this long leaves Keys.workers (scored by the Redis clock)
 WORKERS_KEPT_S = 3600.0
 

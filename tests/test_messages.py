@@ -79,3 +79,13 @@ def test_a_step_output_from_an_older_writer_with_fewer_array_fields_still_decode
 def test_malformed_or_misrouted_entries_fail_to_decode_loudly(raw):
     with pytest.raises(msgspec.DecodeError):
         requests_decoder.decode(raw)
+
+
+def test_a_token_batch_from_an_older_writer_names_no_model():
+    class OldTokenBatch(msgspec.Struct, tag="tokens"):
+        scheduler_id: str
+        outputs: list[StepOutput] = []
+        failures: list[Failed] = []
+
+    decoded = tokens_decoder.decode(encode(OldTokenBatch("s1")))
+    assert decoded.fingerprint is None  # any detokenizer decodes it, as before the field

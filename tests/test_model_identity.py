@@ -13,13 +13,23 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
 from api.frontend import Frontend
-from pipeline.config import ApiConfig, RedisConfig
+from pipeline.config import ApiConfig, Config, RedisConfig
 from pipeline.errors import CODES, PipelineError
-from pipeline.messages import Sampling
+from pipeline.messages import (
+    FIELD,
+    ReplyBatch,
+    Sampling,
+    StepOutput,
+    TokenBatch,
+    control_decoder,
+    replies_decoder,
+)
 from pipeline.model_identity import ModelIdentity, identify
 from pipeline.models import ModelFiles
+from pipeline.streams import Keys
 from pipeline.tokenizer import Tokenizer
 from tests.harness import free_port, worker_env
+from workers.detokenizer import Detokenizer
 
 
 def variant(model: ModelFiles, directory: Path, *, added_token: str | None = None,
@@ -87,3 +97,47 @@ async def test_a_submit_for_another_model_is_refused_and_status_shows_the_mix(ti
         assert "'another-model' (0123456789abcdef): 1 api, 0 scheduler" in said, said
     finally:
         await stranger.stop()
+
+
+async def test_another_models_tokens_are_failed_and_cancelled_not_decoded(
+        redis_url, prefix, model_files):
+    """Two workers of different models that joined an empty tier at once: a
+    detokenizer fails the requests of a batch from another model's scheduler
+    (503 `model_mismatch` at the api) and tells the schedulers to stop them;
+    its own model's batch is decoded as ever."""
+    config = Config(model=str(model_files.path), redis=RedisConfig(url=redis_url, prefix=prefix,
+                                                                   read_block_ms=100))
+    tokenizer = Tokenizer(model_files.path)
+    own = identify(model_files, tokenizer).fingerprint
+    detokenizer = Detokenizer(config, tokenizer, own)
+    keys = Keys(prefix)
+    reply_to = keys.replies("front")
+    client = detokenizer.client
+    try:
+        await detokenizer.join()
+        await client.redis.xadd(reply_to, {"hello": "front"})  # replies go to NOMKSTREAM
+        await client.redis.xadd(keys.control, {"hello": "x"})
+        hello = tokenizer.encode("Hello")
+        for request_id, fingerprint in (("foreign", "0123456789abcdef"), ("own", own)):
+            await client.add(keys.tokens, TokenBatch("scheduler-x", [StepOutput(
+                request_id, reply_to, 0, hello, [], "length")], [], fingerprint))
+        replies: list[ReplyBatch] = []
+        for _ in range(10):
+            await detokenizer.step()
+            entries = await client.redis.xrange(reply_to, "(0-1", "+")
+            replies = [replies_decoder.decode(raw[FIELD]) for _, raw in entries
+                       if FIELD in raw]
+            if sum(len(r.deltas) + len(r.failures) for r in replies) == 2:
+                break
+        failures = [f for r in replies for f in r.failures]
+        deltas = [d for r in replies for d in r.deltas]
+        assert [(f.request_id, f.code) for f in failures] == [("foreign", "model_mismatch")]
+        assert "0123456789abcdef" in failures[0].detail
+        assert [(d.request_id, d.text) for d in deltas] == [("own", "Hello")]
+        cancels = [control_decoder.decode(raw[FIELD])
+                   for _, raw in await client.redis.xrange(keys.control)
+                   if FIELD in raw]
+        assert [c.request_ids for c in cancels] == [["foreign"]]
+    finally:
+        await detokenizer.reader.close()
+        await client.close()

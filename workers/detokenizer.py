@@ -13,12 +13,12 @@ import msgspec
 
 from pipeline.config import Config
 from pipeline.joining import check_before_joining
-from pipeline.messages import Delta, Failed, ReplyBatch, TokenBatch, tokens_decoder
+from pipeline.messages import Cancel, Delta, Failed, ReplyBatch, TokenBatch, tokens_decoder
 from pipeline.model_identity import identify
 from pipeline.models import ModelFiles
 from pipeline.recovery import dead_consumers, drop_consumer, take_over, trim_below_pending
 from pipeline.status import read_live_workers
-from pipeline.streams import DETOKENIZERS, Keys, StreamClient, xadd
+from pipeline.streams import CONTROL_MAXLEN, DETOKENIZERS, Keys, StreamClient, xadd
 from pipeline.tokenizer import Tokenizer
 from pipeline.worker import (
     REDIS_DOWN,
@@ -35,11 +35,21 @@ REPLIES_MAXLEN = 10_000  # a frontend trims what it read; this only bounds a sta
 DRAIN_IDLE_S = 1.0  # a draining detokenizer that read nothing this long may leave
 
 
-def replies_for(tokenizer: Tokenizer, batch: TokenBatch) -> dict[str, ReplyBatch]:
-    """Group a step's outputs by the frontend that owns each request."""
+def replies_for(tokenizer: Tokenizer, batch: TokenBatch,
+                fingerprint: str | None = None) -> dict[str, ReplyBatch]:
+    """Group a step's outputs by the frontend that owns each request. A batch of
+    another model's tokens than `fingerprint`'s fails each of its requests
+    (`model_mismatch`): decoded with this vocabulary, they would be garbled text."""
     deltas: dict[str, list[Delta]] = defaultdict(list)
     failures: dict[str, list[Failed]] = defaultdict(list)
     for out in batch.outputs:
+        if is_foreign(batch, fingerprint):
+            failures[out.reply_to].append(Failed(
+                out.request_id, out.reply_to, "model_mismatch",
+                f"its scheduler runs another model (fingerprint {batch.fingerprint}) than "
+                f"the detokenizer ({fingerprint}): the tier mixes models (`pipeline status`)",
+                out.attempt))
+            continue
         text = step_text(tokenizer, out)
         deltas[out.reply_to].append(
             Delta(out.request_id, out.offset, out.new_ids, text, out.finish, out.logprobs,
@@ -53,9 +63,15 @@ def replies_for(tokenizer: Tokenizer, batch: TokenBatch) -> dict[str, ReplyBatch
     }
 
 
+def is_foreign(batch: TokenBatch, fingerprint: str | None) -> bool:
+    return None not in (batch.fingerprint, fingerprint) and batch.fingerprint != fingerprint
+
+
 class Detokenizer:
-    def __init__(self, config: Config, tokenizer: Tokenizer):
+    def __init__(self, config: Config, tokenizer: Tokenizer, fingerprint: str | None = None):
+        """`fingerprint`: its model's (pipeline.model_identity)."""
         self.config = config
+        self.fingerprint = fingerprint
         self.keys = Keys(config.redis.prefix)
         self.tokenizer = tokenizer
         self.worker_id = config.detokenizer.detokenizer_id or new_worker_id("detokenizer")
@@ -146,8 +162,19 @@ class Detokenizer:
                 await self.client.dead_letter(self.keys.tokens, entry_id, raw, str(error),
                                               self.keys.dead_letters)
                 continue
-            self.outbox.extend(replies_for(self.tokenizer, batch).items())
+            self.outbox.extend(replies_for(self.tokenizer, batch, self.fingerprint).items())
+            if is_foreign(batch, self.fingerprint):
+                await self.cancel_foreign(batch)
         self.answered = [entry_id for entry_id, _ in entries]
+
+    async def cancel_foreign(self, batch: TokenBatch) -> None:
+        """Another model's scheduler runs these requests (two workers of different
+        models joined an empty tier at once): it is told to stop them."""
+        log.error("scheduler %s runs another model (fingerprint %s) than this detokenizer "
+                  "(%s): its requests fail", batch.scheduler_id, batch.fingerprint,
+                  self.fingerprint)
+        await self.client.add(self.keys.control, Cancel([out.request_id for out in batch.outputs]),
+                              maxlen=CONTROL_MAXLEN)
 
 
 async def run(config: Config, model: ModelFiles, draining: asyncio.Event | None = None) -> None:
@@ -156,7 +183,7 @@ async def run(config: Config, model: ModelFiles, draining: asyncio.Event | None 
     draining = draining or asyncio.Event()
     tokenizer = Tokenizer(model.path)
     identity = identify(model, tokenizer)
-    detokenizer = Detokenizer(config, tokenizer)
+    detokenizer = Detokenizer(config, tokenizer, identity.fingerprint)
     await retrying(lambda: check_before_joining(
         detokenizer.client, detokenizer.keys, "detokenizer", detokenizer.worker_id, identity,
         config.redis, own_id=config.detokenizer.detokenizer_id is not None), "detokenizer start")

@@ -395,7 +395,8 @@ class Scheduler:
         """Queue a step's outputs for the next flush."""
         outputs = [out for r in results if (out := self.output_for(r)) is not None]
         if outputs:
-            self.unsent.append(TokenBatch(self.worker_id, outputs, []))
+            fingerprint = self.identity.fingerprint if self.identity else None
+            self.unsent.append(TokenBatch(self.worker_id, outputs, [], fingerprint))
 
     def info(self) -> dict:
         identity = self.identity.record() if self.identity else {"model": self.config.model}
