@@ -72,6 +72,7 @@ class Detokenizer:
         """`fingerprint`: its model's (pipeline.model_identity)."""
         self.config = config
         self.fingerprint = fingerprint
+        self.foreign_schedulers: set[str] = set()  # of another model: logged once each
         self.keys = Keys(config.redis.prefix)
         self.tokenizer = tokenizer
         self.worker_id = config.detokenizer.detokenizer_id or new_worker_id("detokenizer")
@@ -170,9 +171,11 @@ class Detokenizer:
     async def cancel_foreign(self, batch: TokenBatch) -> None:
         """Another model's scheduler runs these requests (two workers of different
         models joined an empty tier at once): it is told to stop them."""
-        log.error("scheduler %s runs another model (fingerprint %s) than this detokenizer "
-                  "(%s): its requests fail", batch.scheduler_id, batch.fingerprint,
-                  self.fingerprint)
+        if batch.scheduler_id not in self.foreign_schedulers:  # once each, not each step
+            self.foreign_schedulers.add(batch.scheduler_id)
+            log.error("scheduler %s runs another model (fingerprint %s) than this "
+                      "detokenizer (%s): its requests fail", batch.scheduler_id,
+                      batch.fingerprint, self.fingerprint)
         await self.client.add(self.keys.control, Cancel([out.request_id for out in batch.outputs]),
                               maxlen=CONTROL_MAXLEN)
 
