@@ -167,7 +167,24 @@ def tier_families(workers: list[dict] | None, queued: dict[str, int]) -> list[Me
         if worker.get("role") == "api" and _is_number(worker.get("in_flight")):
             in_flight.add_metric([str(worker.get("id"))], worker["in_flight"])
     schedulers = [w for w in workers if w.get("role") == "scheduler"]
-    return [redis_up, roles, waiting, in_flight, *_scheduler_families(schedulers)]
+    return [redis_up, roles, waiting, in_flight, *_worker_families(workers),
+            *_scheduler_families(schedulers)]
+
+
+def _worker_families(workers: list[dict]) -> Iterable[Metric]:
+    """What an operator alerts on across the tier: hosts' clocks (pipeline.clock) and
+    the models the workers run (one, unless misconfigured: pipeline.model_identity)."""
+    clocks = GaugeMetricFamily("pipeline_worker_clock_offset_seconds", "How far each "
+                               "worker's host clock runs ahead of the Redis server's "
+                               "(negative: behind)", labels=["role", "worker"])
+    for worker in workers:
+        if _is_number(offset := worker.get("clock_offset_s")):
+            clocks.add_metric([str(worker.get("role")), str(worker.get("id"))], -offset)
+    yield clocks
+    fingerprints = {w["fingerprint"] for w in workers if isinstance(w.get("fingerprint"), str)}
+    yield GaugeMetricFamily("pipeline_models", "Distinct models the live workers run (a "
+                            "tier serves one: more is a misconfiguration)",
+                            value=len(fingerprints))
 
 
 def _scheduler_families(schedulers: list[dict]) -> Iterable[Metric]:

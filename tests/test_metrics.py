@@ -88,6 +88,11 @@ def test_the_tiers_workers_and_scheduler_state_come_from_redis(tier):
     free = value(found, "pipeline_scheduler_kv_free_blocks", scheduler=scheduler)
     assert blocks > 0 and 0 <= free <= blocks
     assert value(found, "pipeline_scheduler_kv_cache_bytes", scheduler=scheduler) > 0
+    assert value(found, "pipeline_models") == 1  # every worker runs the one model
+    offsets = {dict(labels)["role"]: found[(name, labels)] for name, labels in found
+               if name == "pipeline_worker_clock_offset_seconds"}
+    assert sorted(offsets) == ["api", "detokenizer", "scheduler"]
+    assert all(abs(offset) < 1 for offset in offsets.values())  # one host, one clock
 
 
 async def test_metrics_need_the_api_key_and_say_when_redis_is_gone(prefix, model_files):

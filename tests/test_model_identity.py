@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -95,6 +96,8 @@ async def test_a_submit_for_another_model_is_refused_and_status_shows_the_mix(ti
         said = " ".join(shown.stdout.split())  # as one line, however rich wrapped it
         assert "the tier mixes models" in said, said
         assert "'another-model' (0123456789abcdef): 1 api, 0 scheduler" in said, said
+        metrics = httpx.get(f"{tier.base_url}/metrics", timeout=10).text
+        assert "\npipeline_models 2.0\n" in metrics  # what an alert reads
     finally:
         await stranger.stop()
 

@@ -99,6 +99,10 @@ def test_deadlines_hold_across_hosts_whose_clocks_disagree(redis_url, make_tier)
     assert "hosts' clocks off the Redis server's" in said, said
     assert re.search(rf"scheduler {scheduler['id']} \+1(19\.[89]|20\.[01]) s", said), said
     assert len(re.findall(r"api \S+ [-+]\d+\.\d s", said)) == 2, said  # -120 and +240
+    metrics = httpx.get(f"{behind}/metrics", timeout=10).text
+    [ahead_s] = re.findall(r'pipeline_worker_clock_offset_seconds\{role="scheduler",'
+                           r'worker="[^"]+"\} (\S+)', metrics)
+    assert 119 < float(ahead_s) < 121  # what an alert on hosts' clocks reads
     [detokenizer] = [w for w in live_workers(redis_url, tier.prefix)
                      if w["role"] == "detokenizer"]
     assert abs(detokenizer["clock_offset_s"]) < 1  # its host's clock is right: not listed
