@@ -15,6 +15,8 @@ import signal
 import threading
 import time
 
+import pytest
+
 from pipeline.status import live_workers
 from pipeline.streams import DETOKENIZERS, SCHEDULERS, Keys
 from tests.faults.clients import prompts, report, stream_many
@@ -97,6 +99,7 @@ def _leftovers(tier, redis) -> dict:
             "dead_letters": redis.xlen(keys.dead_letters)}
 
 
+@pytest.mark.timeout(CHAOS_S + 240)  # set-up, the reference, the last wave, the settling
 def test_chaos_under_load_loses_repeats_and_leaves_nothing(own_redis7, make_tier):
     tier = make_tier(own_redis7.url, **{"max-running-requests": "8",
                                         "request-timeout": str(TIMEOUT_S)})
