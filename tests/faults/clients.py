@@ -82,3 +82,36 @@ def report(name: str, reference: list[Outcome], got: list[Outcome], **extra) -> 
                "max_stall_s": round(max(o.max_gap_s for o in got), 2)} | extra
     print(f"\n[{name}] {json.dumps(figures)}")
     return figures
+
+
+def hog_then_hasty(patient_url: str, hasty_url: str) -> tuple[httpx.Response, httpx.Response]:
+    """A long request takes a scheduler's one slot (--max-running-requests 1) through
+    `patient_url`; a second, a second later, waits behind it through `hasty_url`,
+    whose --request-timeout is shorter: both responses. The hog outlasts the hasty
+    request's deadline (2 s in) on the fastest host: 600 tokens take ~5 s at 8 ms a step."""
+    long = {"prompt": "Count to a thousand:", "max_tokens": 600, "temperature": 0,
+            "ignore_eos": True}
+    short = {"prompt": "Hi", "max_tokens": 4, "temperature": 0}
+
+    async def main():
+        async with httpx.AsyncClient() as client:
+            hog = asyncio.create_task(client.post(f"{patient_url}/v1/completions", json=long,
+                                                  timeout=120))
+            await asyncio.sleep(1.0)  # the one slot is taken
+            waiting = await client.post(f"{hasty_url}/v1/completions", json=short, timeout=60)
+            return await hog, waiting
+
+    return asyncio.run(main())
+
+
+def expired_requests(redis_url: str, prefix: str, at_least: int, timeout_s: float = 10) -> int:
+    """The one scheduler's count of requests it pulled past their deadline, once it
+    reaches `at_least` (its liveness record is a heartbeat late) or `timeout_s` passes."""
+    from pipeline.status import live_workers
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        [scheduler] = [w for w in live_workers(redis_url, prefix) if w["role"] == "scheduler"]
+        if scheduler["num_expired"] >= at_least or time.monotonic() >= deadline:
+            return scheduler["num_expired"]
+        time.sleep(0.2)

@@ -5,7 +5,6 @@ worker processes under libfaketime (Debian's `faketime`; .ci/run installs it).""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import subprocess
@@ -17,7 +16,8 @@ import httpx
 import pytest
 import redis
 
-from pipeline.status import live_workers
+from pipeline.status import live_workers, server_now_s
+from tests.faults.clients import expired_requests, hog_then_hasty
 from tests.harness import worker_env
 
 LIBFAKETIME = next((p for p in Path("/usr/lib").glob("*/faketime/libfaketime.so.1")), None)
@@ -33,8 +33,7 @@ def skewed(offset_s: int) -> dict[str, str]:
 
 
 def redis_now_s(redis_url: str) -> float:
-    seconds, microseconds = redis.Redis.from_url(redis_url).time()
-    return seconds + microseconds / 1e6
+    return server_now_s(redis.Redis.from_url(redis_url))
 
 
 SYNC = """
@@ -106,30 +105,9 @@ def test_deadlines_hold_across_hosts_whose_clocks_disagree(redis_url, make_tier)
     [detokenizer] = [w for w in live_workers(redis_url, tier.prefix)
                      if w["role"] == "detokenizer"]
     assert abs(detokenizer["clock_offset_s"]) < 1  # its host's clock is right: not listed
-    # the hog must outlast the hasty request's deadline (2 s in): 600 tokens take ~5 s
-    long = {"prompt": "Count to a thousand:", "max_tokens": 600, "temperature": 0,
-            "ignore_eos": True}
-    short = {"prompt": "Hi", "max_tokens": 4, "temperature": 0}
-
-    async def main():
-        async with httpx.AsyncClient() as client:
-            hog = asyncio.create_task(client.post(f"{behind}/v1/completions", json=long,
-                                                  timeout=120))
-            await asyncio.sleep(1.0)  # the one slot is taken
-            hasty = await client.post(f"{ahead}/v1/completions", json=short, timeout=60)
-            return await hog, hasty
-
-    hog, hasty = asyncio.run(main())
+    hog, hasty = hog_then_hasty(behind, ahead)
     assert hog.status_code == 200, hog.text
     assert hog.json()["usage"]["completion_tokens"] == 600
     assert hasty.status_code == 408, hasty.text
-
-    def num_expired() -> int:
-        [scheduler] = [w for w in live_workers(redis_url, tier.prefix)
-                       if w["role"] == "scheduler"]
-        return scheduler["num_expired"]
-
-    deadline = time.monotonic() + 10
-    while num_expired() < 1 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert num_expired() == 1  # pulled after its deadline by the tier's clock: not started
+    # pulled after its deadline by the tier's clock: not started
+    assert expired_requests(redis_url, tier.prefix, at_least=1) == 1

@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from pipeline.status import live_workers
+from tests.faults.clients import expired_requests, hog_then_hasty
 
 
 def test_past_the_queue_limit_the_api_answers_503_with_retry_after_at_once(redis_url, make_tier):
@@ -56,34 +56,12 @@ def test_a_request_past_its_deadline_is_not_started_and_gets_a_clear_error(redis
     patient = tier.start_api()
     hasty = tier.start_api(**{"request-timeout": "1"})
     tier.wait_ready()
-    # the hog must outlast the hasty request's deadline (2 s in) on the fastest host:
-    # 600 tokens take ~5 s at 8 ms a step
-    long = {"prompt": "Count to a thousand:", "max_tokens": 600, "temperature": 0,
-            "ignore_eos": True}
-    short = {"prompt": "Hi", "max_tokens": 4, "temperature": 0}
-
-    async def main():
-        async with httpx.AsyncClient() as client:
-            hog = asyncio.create_task(client.post(f"{patient}/v1/completions", json=long,
-                                                  timeout=120))
-            await asyncio.sleep(1.0)  # the one slot is taken
-            waiting = await client.post(f"{hasty}/v1/completions", json=short, timeout=60)
-            return await hog, waiting
-
-    hog, waiting = asyncio.run(main())
+    hog, waiting = hog_then_hasty(patient, hasty)
     assert hog.status_code == 200
     assert waiting.status_code == 408, waiting.text
     assert waiting.json()["error"]["code"] == "timeout"
-
-    def num_expired() -> int:
-        [scheduler] = [w for w in live_workers(redis_url, tier.prefix)
-                       if w["role"] == "scheduler"]
-        return scheduler["num_expired"]
-
-    deadline = time.monotonic() + 10
-    while num_expired() < 1 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert num_expired() == 1  # pulled only after its deadline: refused, never started
+    # pulled only after its deadline: refused, never started
+    assert expired_requests(redis_url, tier.prefix, at_least=1) == 1
 
 
 def test_the_queue_depth_decides_overload_exactly_on_either_redis(own_redis):

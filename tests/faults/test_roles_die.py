@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from pipeline.status import live_workers
+from pipeline.status import live_workers, server_now_s
 from tests.faults.clients import prompts, report, stream_many
 
 NUM_STREAMS = 16
@@ -190,8 +190,7 @@ def test_a_worker_id_is_one_worker_s_a_restart_under_it_waits_out_the_old_record
     os.kill(first.pid, signal.SIGKILL)
     first.wait()
     tier.procs.remove(first)
-    seconds, microseconds = own_redis7.client().time()  # the tier's clock (records' "at")
-    killed_at = seconds + microseconds / 1e6
+    killed_at = server_now_s(own_redis7.client())  # the tier's clock (records' "at")
     again = tier.start("detokenizer", id="detok-a")
     joined_s = _wait_for(lambda: any(
         w["id"] == "detok-a" and w["at"] > killed_at

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.messages import Submit, TokenLogprob
+from pipeline.messages import StepOutput, Submit, TokenLogprob
+from workers.text import stop_window
 
 
 @dataclass
@@ -33,3 +34,18 @@ class Running:
             return False
         first = self.sent == len(self.submit.output_ids)
         return first or len(self.output_ids) - self.sent >= interval
+
+    def release(self, finish: str | None, matched: str | None,
+                with_logprobs: bool) -> StepOutput:
+        """The held ids as a StepOutput, now on their way (`due` said so)."""
+        sampling = self.submit.sampling
+        offset, self.sent = self.sent, len(self.output_ids)
+        cached = self.cached_tokens if offset == len(self.submit.output_ids) else None  # once
+        prefix = self.output_ids[max(0, offset - stop_window(sampling.stop)):offset]
+        logprobs = self.held_logprobs if with_logprobs else None
+        prompt_logprobs, self.held_logprobs, self.held_prompt_logprobs = (
+            self.held_prompt_logprobs, [], None)
+        return StepOutput(self.submit.request_id, self.submit.reply_to, offset,
+                          self.output_ids[offset:], prefix, finish, sampling.stop, matched,
+                          logprobs, self.submit.attempt, sampling.skip_special_tokens,
+                          prompt_logprobs, cached)

@@ -44,7 +44,7 @@ from workers.scheduler.compiling import Compiles
 from workers.scheduler.engine import Engine, EngineRequest, StepResult
 from workers.scheduler.held import Running
 from workers.scheduler.lanes import Lanes, Pulled, Ref
-from workers.text import find_stop, stop_window
+from workers.text import find_stop
 
 log = logging.getLogger("pipeline.scheduler")
 MAX_DEATHS = 3  # a request whose scheduler dies this many times is poison (drains aside)
@@ -59,6 +59,7 @@ class Scheduler:
                  identity: ModelIdentity | None = None):
         self.config = config
         self.identity = identity  # the model it runs (pipeline.model_identity)
+        self.fingerprint = identity.fingerprint if identity else None
         self.engine = engine
         self.engine_thread = engine_thread
         self.tokenizer = tokenizer
@@ -318,8 +319,7 @@ class Scheduler:
             if submit.deadline_ms is not None and submit.deadline_ms < self.client.clock.now_ms():
                 self.num_expired += 1
                 raise RequestTimeout("the request expired before a scheduler could start it")
-            check_submit(submit, self.tokenizer.vocab_size,
-                         self.identity.fingerprint if self.identity else None)
+            check_submit(submit, self.tokenizer.vocab_size, self.fingerprint)
             run = Running(submit, entry, list(submit.output_ids), len(submit.output_ids))
             if self.compiling.needed(submit.sampling.structure):
                 self.compiling.start(run)
@@ -380,23 +380,13 @@ class Scheduler:
             self.to_ack.append(self.running.pop(result.request_id).entry)
         if not run.due(finish):
             return None
-        offset, run.sent = run.sent, len(run.output_ids)
-        cached = run.cached_tokens if offset == len(run.submit.output_ids) else None  # once
-        prefix = run.output_ids[max(0, offset - stop_window(sampling.stop)):offset]
-        logprobs = run.held_logprobs if result.logprobs is not None else None
-        prompt_logprobs, run.held_logprobs, run.held_prompt_logprobs = (
-            run.held_prompt_logprobs, [], None)
-        return StepOutput(result.request_id, run.submit.reply_to, offset,
-                          run.output_ids[offset:], prefix, finish, sampling.stop, matched,
-                          logprobs, run.submit.attempt, sampling.skip_special_tokens,
-                          prompt_logprobs, cached)
+        return run.release(finish, matched, with_logprobs=result.logprobs is not None)
 
     def emit(self, results: list[StepResult]) -> None:
         """Queue a step's outputs for the next flush."""
         outputs = [out for r in results if (out := self.output_for(r)) is not None]
         if outputs:
-            fingerprint = self.identity.fingerprint if self.identity else None
-            self.unsent.append(TokenBatch(self.worker_id, outputs, [], fingerprint))
+            self.unsent.append(TokenBatch(self.worker_id, outputs, [], self.fingerprint))
 
     def info(self) -> dict:
         identity = self.identity.record() if self.identity else {"model": self.config.model}
